@@ -1,0 +1,99 @@
+"""Thin typed wrapper over one nixl_agent, with NIXL's busy-polling progress thread off.
+
+Exactly one thread (the endpoint's loop thread) calls into an Agent; NIXL runs in its
+no-sync mode, and progress is made only when that thread polls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from kvpush.transfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+def _nixl_api() -> Any:
+    try:
+        from nixl import _api  # meta package: picks the CUDA variant
+    except ImportError:
+        try:
+            from nixl_cu13 import _api
+        except ImportError:
+            from nixl_cu12 import _api
+    return _api
+
+
+class Agent:
+    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+        api = _nixl_api()
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        self.name = name
+        self._agent = api.nixl_agent(name, config)
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(
+                f"NIXL backend(s) {missing} unavailable; plugins here: {self._agent.plugin_list}"
+            )
+        self._reg_descs: list[Any] = []
+        self._remotes: set[str] = set()
+
+    def register(self, layout: KVLayout) -> None:
+        regions = [
+            (r.base_addr, layout.region_num_bytes, layout.dev_id, "") for r in layout.regions
+        ]
+        self._reg_descs.append(self._agent.register_memory(regions, layout.mem_type))
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_remote(self, metadata: bytes) -> str:
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self._remotes.add(name)
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as e:  # the peer may be gone already
+                log.debug("remove_remote_agent(%s): %s", name, e)
+
+    def write(
+        self,
+        remote: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        mem_type_src: str,
+        mem_type_dst: str,
+        notif: bytes,
+    ) -> tuple[Any, str]:
+        """Post one WRITE of Nx3 descriptor arrays; returns (handle, "DONE"|"PROC"|"ERR")."""
+        local = self._agent.get_xfer_descs(src, mem_type_src)
+        far = self._agent.get_xfer_descs(dst, mem_type_dst)
+        handle = self._agent.initialize_xfer("WRITE", local, far, remote, notif)
+        return handle, self._agent.transfer(handle)
+
+    def state(self, handle: Any) -> str:
+        return self._agent.check_xfer_state(handle)
+
+    def release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:  # a handle still in progress towards a dead peer
+            log.warning("release_xfer_handle failed: %s", e)
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        return self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        for descs in reversed(self._reg_descs):
+            self._agent.deregister_memory(descs)
+        self._reg_descs.clear()

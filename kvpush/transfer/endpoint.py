@@ -1,0 +1,236 @@
+"""The loop thread shared by the prefill and decode endpoints.
+
+One named thread owns the NIXL agent and every ZMQ socket of an endpoint; callers only
+enqueue commands (and get futures back). The thread polls the side channel with a timeout
+chosen by how much is pending (see `PollPolicy`), so an idle endpoint blocks at zero CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.transfer import wire
+from kvpush.transfer.agent import Agent
+from kvpush.transfer.handshake import Link, SideChannel
+from kvpush.transfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+# How long the loop may sleep between polls of NIXL. With nothing pending it blocks until
+# a message or a command arrives (or the next record expiry), at zero CPU.
+BUSY_POLL_MS = 1  # a WRITE in flight or expected: its completion is seen within ~1 ms
+LEASE_POLL_MS = 20  # only leases and heartbeats pending: checked every 20 ms
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    engine_id: str
+    compat: wire.Compat
+    rank: int = 0
+    tp_size: int = 1
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # prefill: its base port plus rank; 0 picks a free port
+    backends: tuple[str, ...] = ("UCX",)
+    lease_s: float = 30.0  # prefill frees blocks no decode registered for after this
+    dead_after_s: float = 5.0  # a peer silent this long with its connection gone is dead
+    heartbeat_s: float = 1.0  # sent to each peer that shares pending transfers
+    max_quarantined_blocks: int = 1_000_000  # decode refuses new transfers beyond this
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ValueError("engine_id must not be empty")
+        if not 0 <= self.rank < self.tp_size:
+            raise ValueError(f"rank {self.rank} is outside TP size {self.tp_size}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port {self.side_channel_port} is not a port")
+        for name in ("lease_s", "dead_after_s", "heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_s * 2 > self.dead_after_s:
+            raise ValueError("heartbeat_s must be at most half of dead_after_s")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    reason: str = ""
+    num_bytes: int = 0
+    num_descs: int = 0
+    elapsed_s: float = 0.0
+
+
+@dataclass
+class _Command:
+    fn: Callable[..., Any]
+    args: tuple
+    future: Future = field(default_factory=Future)
+
+
+class Endpoint:
+    role = "endpoint"
+
+    def __init__(self, config: TransferConfig, layout: KVLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.instance_id = uuid.uuid4().hex
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._closing = False
+        self._gauges: dict[str, int] = {}
+        self._pending_links: set[str] = set()
+        self.channel: SideChannel | None = None
+        self._ready: Future = Future()
+        name = f"kvpush-{self.role}-{config.engine_id}-{config.rank}"
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.result()
+
+    # -- called from any thread ---------------------------------------------------------
+    def gauges(self) -> dict[str, int]:
+        return dict(self._gauges)
+
+    @property
+    def address(self) -> str:
+        assert self.channel is not None
+        return self.channel.address
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._closing = True
+            assert self.channel is not None
+            self.channel.wake()
+            self._thread.join(timeout=10)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        cmd = _Command(fn, args)
+        if self._closing or not self._thread.is_alive():
+            cmd.future.set_result(Outcome(False, f"{self.role} endpoint is closed"))
+            return cmd.future
+        self._commands.put(cmd)
+        assert self.channel is not None
+        self.channel.wake()
+        return cmd.future
+
+    # -- the loop thread ----------------------------------------------------------------
+    def _main(self) -> None:
+        cfg = self.config
+        try:
+            self.channel = SideChannel(cfg.side_channel_host, cfg.side_channel_port)
+            agent_name = f"{cfg.engine_id}-{self.role}-{cfg.rank}-{self.instance_id[:8]}"
+            self.agent = Agent(agent_name, cfg.backends)
+            self.agent.register(self.layout)
+        except Exception as e:
+            if self.channel is not None:
+                self.channel.close()
+            self._ready.set_exception(e)
+            return
+        self.peer_info = wire.PeerInfo(
+            cfg.engine_id, cfg.rank, self.instance_id, self.channel.address, agent_name
+        )
+        self._ready.set_result(None)
+        try:
+            while not self._closing:
+                envelopes = self.channel.poll(self._poll_timeout_ms())
+                self._run_commands()
+                for env in envelopes:
+                    self._receive(env)
+                self._progress()
+                self._tick(time.monotonic())
+                self._gauges = self._read_gauges()
+        except Exception:
+            log.exception("kvpush %s loop crashed", self.role)
+            raise
+        finally:
+            self._shutdown()
+            self.agent.close()
+            self.channel.close()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = cmd.fn(*cmd.args)
+                if isinstance(result, Future):
+                    result.add_done_callback(lambda f, c=cmd: _chain(f, c.future))
+                else:
+                    cmd.future.set_result(result)
+            except Exception as e:  # a bad request fails alone; the loop goes on
+                log.warning("kvpush %s: %s", self.role, e)
+                cmd.future.set_result(Outcome(False, str(e)))
+
+    def _send(self, link: Link, msg: Any) -> None:
+        assert self.channel is not None
+        self.channel.send(link, self.instance_id, msg)
+
+    def _tick(self, now_s: float) -> None:
+        """Heartbeat every peer that shares pending work; declare the dead ones dead."""
+        assert self.channel is not None
+        pending = self._pending_addresses()
+        for address in pending:
+            link = self.channel.link(address)
+            if address not in self._pending_links:
+                link.last_seen_s = max(link.last_seen_s, now_s)  # silence counts from here
+            if now_s - link.last_sent_s >= self.config.heartbeat_s:
+                self._send(link, wire.HeartbeatMsg())
+            if self.channel.is_dead(link, self.config.dead_after_s):
+                reason = (
+                    f"peer at {address} is dead: silent for {self.config.dead_after_s:.0f} s "
+                    "and its connection is gone"
+                )
+                log.warning("kvpush %s: %s", self.role, reason)
+                self._peer_dead(address, reason, restarted=False)
+        self._pending_links = pending
+
+    def _link_for(self, env: wire.Envelope) -> Link:
+        """The link to a message's sender; a new instance at a known address is a restart."""
+        assert self.channel is not None
+        link = self.channel.link(env.reply_to)
+        link.last_seen_s = time.monotonic()
+        if link.peer is not None and link.peer.instance_id != env.sender:
+            self._peer_dead(env.reply_to, f"peer at {env.reply_to} restarted", restarted=True)
+            link.peer = None
+        return link
+
+    # -- for subclasses -----------------------------------------------------------------
+    def _poll_timeout_ms(self) -> int | None:
+        raise NotImplementedError
+
+    def _receive(self, env: wire.Envelope) -> None:
+        raise NotImplementedError
+
+    def _progress(self) -> None:
+        raise NotImplementedError
+
+    def _pending_addresses(self) -> set[str]:
+        raise NotImplementedError
+
+    def _peer_dead(self, address: str, reason: str, restarted: bool) -> None:
+        raise NotImplementedError
+
+    def _read_gauges(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        raise NotImplementedError
+
+
+def resolved(outcome: Outcome) -> Future:
+    future: Future = Future()
+    future.set_result(outcome)
+    return future
+
+
+def _chain(src: Future, dst: Future) -> None:
+    if not dst.done():
+        dst.set_result(src.result())

@@ -1,0 +1,169 @@
+"""Run one endpoint in a child process over real DRAM, driven from the parent.
+
+Used by the transfer tests and by `kvpush bench transfer`: prefill and decode must be
+separate processes with separate NIXL agents, as they are in production.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from kvpush.transfer.layout import KVLayout, RegionSpec
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """A KVLayout without addresses: the child allocates the memory."""
+
+    num_blocks: int = 64
+    block_size: int = 16
+    num_heads: int = 2
+    head_bytes: int = 32
+    head_major: bool = True
+    num_regions: int = 2
+    first_head: int = 0
+    total_heads: int = 0
+
+    def build(self, arrays: list[np.ndarray]) -> KVLayout:
+        stride = self.block_size * self.num_heads * self.head_bytes
+        regions = tuple(RegionSpec(a.ctypes.data, stride) for a in arrays)
+        return KVLayout(
+            regions, self.num_blocks, self.block_size, self.num_heads, self.head_bytes,
+            self.head_major, self.first_head, self.total_heads,
+        )  # fmt: skip
+
+    @property
+    def region_num_bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.num_heads * self.head_bytes
+
+
+def fill_pattern(spec: LayoutSpec, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(0, 256, spec.region_num_bytes, dtype=np.uint8)
+        for _ in range(spec.num_regions)
+    ]
+
+
+def _child(
+    conn: Any, role: str, config: Any, spec: LayoutSpec, seed: int | None, fault: str | None
+) -> None:
+    from kvpush.transfer.agent import Agent
+    from kvpush.transfer.receiver import DecodeEndpoint
+    from kvpush.transfer.writer import PrefillEndpoint
+
+    if fault == "register-half":
+        # Fault injection: advertise the whole layout but register only its first half with
+        # NIXL, so a WRITE into the upper blocks fails inside NIXL.
+        register = Agent.register
+
+        def register_half(self: Agent, layout: KVLayout) -> None:
+            register(self, replace(layout, num_blocks=layout.num_blocks // 2))
+
+        Agent.register = register_half  # type: ignore[method-assign]
+
+    if seed is None:  # decode: a sentinel, so stray writes show
+        arrays = [np.full(spec.region_num_bytes, 0xEE, np.uint8) for _ in range(spec.num_regions)]
+    else:
+        arrays = fill_pattern(spec, seed)
+    cls = PrefillEndpoint if role == "prefill" else DecodeEndpoint
+    try:
+        endpoint = cls(config, spec.build(arrays))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", endpoint.address))
+    futures: dict[int, Any] = {}
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if method == "close":
+                endpoint.close()
+                conn.send(("ok", None))
+                break
+            if method == "wait":
+                fid, timeout_s = args
+                result = futures.pop(fid).result(timeout=timeout_s)
+            elif method == "done":
+                result = futures[args[0]].done()
+            elif method == "gauges":
+                result = endpoint.gauges()
+            elif method == "regions":
+                result = [a.copy() for a in arrays]
+            elif method == "reset":
+                for a in arrays:
+                    a.fill(0xEE)
+                result = None
+            else:
+                future = getattr(endpoint, method)(*args)
+                if future is not None:
+                    futures[id(future)] = future
+                    result = id(future)
+                else:
+                    result = None
+            conn.send(("ok", result))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class Side:
+    """Parent's handle on an endpoint running in a child process."""
+
+    def __init__(
+        self,
+        role: str,
+        config: Any,
+        spec: LayoutSpec,
+        seed: int | None = None,
+        fault: str | None = None,
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.role, self.config, self.spec = role, config, spec
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, role, config, spec, seed, fault), daemon=True)
+        self.proc.start()
+        child.close()
+        self.address = self._reply(120)
+
+    def _reply(self, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"{self.role} child did not answer within {timeout_s} s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def call(self, method: str, *args: Any, timeout_s: float = 60) -> Any:
+        self._conn.send((method, args))
+        return self._reply(timeout_s)
+
+    def wait(self, future_id: int, timeout_s: float = 30) -> Any:
+        return self.call("wait", future_id, timeout_s, timeout_s=timeout_s + 5)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("close", timeout_s=15)
+            except (RuntimeError, TimeoutError, OSError, EOFError):
+                pass
+            self.proc.join(timeout=10)
+        self.kill()
+
+
+def with_port(config: Any, port: int) -> Any:
+    return replace(config, side_channel_port=port)

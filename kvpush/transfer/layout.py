@@ -1,0 +1,201 @@
+"""How one rank's KV memory is laid out, and the copy plan between two layouts.
+
+A rank holds `num_heads` KV heads (global heads `first_head ..`) in one or more registered
+regions (one per layer, or one each for K and V). Every region holds `num_blocks` blocks,
+`block_stride_bytes` apart; inside a block the bytes are either head-major
+([head][token][head_bytes]) or token-major ([token][head][head_bytes]).
+
+`plan_copies` turns "tokens [start, end) of these prefill blocks go to these decode blocks"
+into (src, dst, len) byte ranges, merged wherever both sides are contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+
+class RegionSpec(msgspec.Struct, frozen=True):
+    base_addr: int
+    block_stride_bytes: int
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    regions: tuple[RegionSpec, ...]
+    num_blocks: int
+    block_size: int  # tokens per block
+    num_heads: int  # KV heads held by this rank
+    head_bytes: int  # one token of one head: head_dim * dtype size
+    head_major: bool
+    first_head: int = 0  # global index of this rank's first KV head
+    total_heads: int = 0  # KV heads of the whole model (0: same as num_heads)
+    mem_type: str = "DRAM"  # "DRAM" or "VRAM"
+    dev_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.regions:
+            raise ValueError("a KV layout needs at least one region")
+        for name in ("num_blocks", "block_size", "num_heads", "head_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
+        for r in self.regions:
+            if r.block_stride_bytes < self.block_bytes:
+                raise ValueError(
+                    f"block_stride_bytes {r.block_stride_bytes} < block bytes {self.block_bytes}"
+                )
+        if self.first_head + self.num_heads > self.heads_total:
+            raise ValueError(
+                f"heads {self.first_head}..{self.first_head + self.num_heads} exceed "
+                f"total_heads {self.heads_total}"
+            )
+
+    @property
+    def heads_total(self) -> int:
+        return self.total_heads or self.num_heads
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_heads * self.head_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.token_bytes
+
+    @property
+    def region_num_bytes(self) -> int:
+        return (self.num_blocks - 1) * self.regions[0].block_stride_bytes + self.block_bytes
+
+    def shape_key(self) -> tuple:
+        """What must agree between prefill and decode for data to be copyable at all."""
+        return (len(self.regions), self.head_bytes, self.heads_total, self.head_major)
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Byte ranges to WRITE: row i copies src[i] -> dst[i], num_bytes[i] long."""
+
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    num_bytes: np.ndarray
+
+    @property
+    def num_descs(self) -> int:
+        return len(self.num_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.num_bytes.sum())
+
+    def descs(self, dev_src: int, dev_dst: int) -> tuple[np.ndarray, np.ndarray]:
+        """Nx3 (addr, len, device) arrays, the form NIXL takes."""
+        n = self.num_descs
+        src = np.stack([self.src_addrs, self.num_bytes, np.full(n, dev_src)], axis=1)
+        dst = np.stack([self.dst_addrs, self.num_bytes, np.full(n, dev_dst)], axis=1)
+        return src.astype(np.uint64), dst.astype(np.uint64)
+
+
+def head_owner(head: int, tp_size: int, total_heads: int) -> int:
+    """The one rank of a TP group that writes `head` (the first holder when heads replicate)."""
+    if tp_size <= total_heads:
+        return head // (total_heads // tp_size)
+    return head * (tp_size // total_heads)
+
+
+def rank_heads(rank: int, tp_size: int, total_heads: int) -> range:
+    """Global KV heads held by `rank` of a TP group (replicated when tp_size > heads)."""
+    if tp_size <= total_heads:
+        if total_heads % tp_size:
+            raise ValueError(f"{total_heads} KV heads do not split over TP size {tp_size}")
+        per = total_heads // tp_size
+        return range(rank * per, (rank + 1) * per)
+    if tp_size % total_heads:
+        raise ValueError(f"TP size {tp_size} is not a multiple of {total_heads} KV heads")
+    head = rank * total_heads // tp_size
+    return range(head, head + 1)
+
+
+def writer_heads(decode_heads: range, prefill_tp: int, total_heads: int) -> dict[int, range]:
+    """For one decode rank: which prefill rank writes which of its heads."""
+    out: dict[int, list[int]] = {}
+    for h in decode_heads:
+        out.setdefault(head_owner(h, prefill_tp, total_heads), []).append(h)
+    return {rank: range(hs[0], hs[-1] + 1) for rank, hs in out.items()}
+
+
+def plan_copies(
+    src: KVLayout,
+    dst: KVLayout,
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+    start_token: int,
+    end_token: int,
+    heads: range | None = None,
+) -> CopyPlan:
+    """Plan the WRITE of tokens [start_token, end_token) of `heads` from src to dst blocks.
+
+    Block id lists cover tokens from position 0 in each side's own block size. Rows are
+    emitted region by region, token piece by piece, head by head, then merged where both
+    the source and the destination continue exactly where the previous row ended.
+    """
+    if src.shape_key() != dst.shape_key():
+        raise ValueError(f"layouts cannot be copied: {src.shape_key()} vs {dst.shape_key()}")
+    heads = heads if heads is not None else range(dst.first_head, dst.first_head + dst.num_heads)
+    for side, lay in (("prefill", src), ("decode", dst)):
+        if heads.start < lay.first_head or heads.stop > lay.first_head + lay.num_heads:
+            raise ValueError(f"heads {heads} are not all held by the {side} rank")
+    if not 0 <= start_token <= end_token:
+        raise ValueError(f"bad token range [{start_token}, {end_token})")
+    for side, lay, ids in (("prefill", src, src_block_ids), ("decode", dst, dst_block_ids)):
+        need = -(-end_token // lay.block_size)
+        if len(ids) < need:
+            raise ValueError(f"{side} has {len(ids)} blocks, {end_token} tokens need {need}")
+        if ids and (min(ids[:need] or [0]) < 0 or max(ids[:need] or [0]) >= lay.num_blocks):
+            raise ValueError(f"{side} block id out of range 0..{lay.num_blocks - 1}")
+    empty = np.zeros(0, dtype=np.int64)
+    if start_token == end_token:
+        return CopyPlan(empty, empty, empty)
+
+    # Token pieces that sit inside one source block and one destination block.
+    cuts = {start_token, end_token}
+    for bs in (src.block_size, dst.block_size):
+        cuts.update(range(-(-start_token // bs) * bs, end_token, bs))
+    bounds = np.array(sorted(cuts), dtype=np.int64)
+    tok0, tok1 = bounds[:-1], bounds[1:]
+    src_blk = np.asarray(src_block_ids, dtype=np.int64)[tok0 // src.block_size]
+    dst_blk = np.asarray(dst_block_ids, dtype=np.int64)[tok0 // dst.block_size]
+    src_off, dst_off, ntok = tok0 % src.block_size, tok0 % dst.block_size, tok1 - tok0
+
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    hb = src.head_bytes
+    for region_idx, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
+        s_blk = rs.base_addr + src_blk * rs.block_stride_bytes
+        d_blk = rd.base_addr + dst_blk * rd.block_stride_bytes
+        if src.head_major:
+            # One row per (piece, head): [head][token] inside each block.
+            h = np.arange(heads.start, heads.stop, dtype=np.int64)
+            s = s_blk[:, None] + ((h - src.first_head) * src.block_size)[None, :] * hb
+            d = d_blk[:, None] + ((h - dst.first_head) * dst.block_size)[None, :] * hb
+            s = s + (src_off * hb)[:, None]
+            d = d + (dst_off * hb)[:, None]
+            n = np.broadcast_to((ntok * hb)[:, None], s.shape)
+        else:
+            # One row per (token, piece): [token][head] inside each block; a row covers `heads`.
+            tok = np.concatenate([np.arange(k) for k in ntok]) if len(ntok) else empty
+            piece = np.repeat(np.arange(len(ntok)), ntok)
+            s = s_blk[piece] + (src_off[piece] + tok) * src.token_bytes
+            d = d_blk[piece] + (dst_off[piece] + tok) * dst.token_bytes
+            s = s + (heads.start - src.first_head) * hb
+            d = d + (heads.start - dst.first_head) * hb
+            n = np.full(s.shape, len(heads) * hb, dtype=np.int64)
+        s, d, n = s.reshape(-1), d.reshape(-1), np.ascontiguousarray(n).reshape(-1)
+        rows.append((s, d, n, np.full(s.shape, region_idx)))
+
+    s, d, n, reg = (np.concatenate(parts) for parts in zip(*rows, strict=True))
+    starts = np.ones(len(s), dtype=bool)
+    starts[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1]) | (reg[1:] != reg[:-1])
+    idx = np.flatnonzero(starts)
+    return CopyPlan(s[idx], d[idx], np.add.reduceat(n, idx))

@@ -1,0 +1,218 @@
+"""Prefill side's pure state machine: registrations x finished sources, in either order.
+
+It does no I/O: every event returns the actions for the writer to carry out. A transfer key
+is paired with one source (the prefill blocks) and one registration per decode rank that
+needs data from this prefill rank; the source is released once every one of them is written,
+failed or cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvpush.transfer.wire import RegisterMsg, TransferKey
+
+
+@dataclass(frozen=True)
+class Source:
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Write:
+    key: TransferKey
+    peer: str
+    reg: RegisterMsg
+    source: Source
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Send a message to a decode peer: 'fail', 'ack' (cancel acknowledged) or 'done'."""
+
+    peer: str
+    kind: str
+    key: TransferKey
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Release:
+    """The source's blocks may be freed; ok=False carries why the push did not complete."""
+
+    key: TransferKey
+    ok: bool
+    reason: str = ""
+
+
+Action = Write | Reply | Release
+
+
+@dataclass
+class _Pending:
+    created_s: float
+    source: Source | None = None
+    regs: dict[str, RegisterMsg] = field(default_factory=dict)  # peer -> not yet written
+    writing: set[str] = field(default_factory=set)
+    cancel_after_write: set[str] = field(default_factory=set)
+    num_done: int = 0
+    num_expected: int | None = None  # decode ranks that will register
+    failure: str | None = None  # set when the transfer failed while writes were on the wire
+
+
+class Matcher:
+    def __init__(self, lease_s: float, max_records: int = 10_000) -> None:
+        self.lease_s = lease_s
+        self.max_records = max_records
+        self._pending: dict[TransferKey, _Pending] = {}
+        # Keys that ended (finished, failed, cancelled), kept for one lease so that a late
+        # message gets an answer at once: key -> (outcome, monotonic time it ended).
+        self._records: OrderedDict[TransferKey, tuple[str, float]] = OrderedDict()
+
+    # -- gauges -------------------------------------------------------------------------
+    @property
+    def num_pending_match(self) -> int:
+        return sum(1 for p in self._pending.values() if not p.writing)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(p.writing) for p in self._pending.values())
+
+    @property
+    def num_records(self) -> int:
+        return len(self._records)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def peers_with_pending(self) -> set[str]:
+        return {peer for p in self._pending.values() for peer in (*p.regs, *p.writing)}
+
+    # -- events -------------------------------------------------------------------------
+    def source_ready(self, key: TransferKey, source: Source, now_s: float) -> list[Action]:
+        if key in self._records:
+            return [Release(key, False, f"transfer {key} already ended: {self._records[key][0]}")]
+        p = self._pending.setdefault(key, _Pending(created_s=now_s))
+        if p.source is not None:
+            return [Release(key, False, f"transfer {key} already has a source")]
+        p.source, p.created_s = source, now_s
+        actions: list[Action] = [self._write(key, p, peer) for peer in list(p.regs)]
+        return actions + self._maybe_finish(key, p)
+
+    def register(self, peer: str, reg: RegisterMsg, now_s: float) -> list[Action]:
+        key = reg.key
+        if key in self._records:
+            outcome = self._records[key][0]
+            return [Reply(peer, "fail", key, f"transfer {key} already ended on prefill: {outcome}")]
+        p = self._pending.setdefault(key, _Pending(created_s=now_s))
+        if peer in p.writing:
+            return [Reply(peer, "fail", key, f"transfer {key} re-registered while writing")]
+        p.regs[peer] = reg  # a re-sent registration replaces the unwritten one
+        p.num_expected = reg.num_registrations
+        if reg.num_cached_tokens >= reg.num_tokens:
+            del p.regs[peer]
+            p.num_done += 1
+            return [Reply(peer, "done", key)] + self._maybe_finish(key, p)
+        if p.source is None:
+            return []
+        return [self._write(key, p, peer)]
+
+    def cancel(self, peer: str, key: TransferKey) -> list[Action]:
+        p = self._pending.get(key)
+        if p is None:
+            return [Reply(peer, "ack", key)]
+        if peer in p.writing:
+            p.cancel_after_write.add(peer)
+            return []
+        p.regs.pop(peer, None)
+        return [Reply(peer, "ack", key)] + self._end(key, p, False, "cancelled by decode")
+
+    def write_done(self, key: TransferKey, peer: str, ok: bool, reason: str = "") -> list[Action]:
+        p = self._pending.get(key)
+        if p is None or peer not in p.writing:
+            return []
+        p.writing.discard(peer)
+        actions: list[Action] = []
+        if peer in p.cancel_after_write:
+            p.cancel_after_write.discard(peer)
+            actions.append(Reply(peer, "ack", key))
+        if not ok:
+            actions.append(Reply(peer, "fail", key, reason))
+            return actions + self._end(key, p, False, reason)
+        p.num_done += 1
+        if p.failure is not None:
+            return actions + self._end(key, p, False, p.failure)
+        return actions + self._maybe_finish(key, p)
+
+    def abort(self, key: TransferKey, reason: str) -> list[Action]:
+        """Prefill gave up on the request (aborted or failed) before writing."""
+        p = self._pending.get(key)
+        if p is None:
+            self._record(key, reason)
+            return []
+        if p.writing:  # data is on the wire; its completion decides
+            return []
+        fails: list[Action] = [Reply(peer, "fail", key, reason) for peer in p.regs]
+        return fails + self._end(key, p, False, reason)
+
+    def peer_dead(self, peer: str, reason: str) -> list[Action]:
+        actions: list[Action] = []
+        for key, p in list(self._pending.items()):
+            if peer in p.regs or peer in p.writing:
+                p.regs.pop(peer, None)
+                p.writing.discard(peer)
+                p.cancel_after_write.discard(peer)
+                actions += self._end(key, p, False, reason)
+        return actions
+
+    def expire(self, now_s: float) -> list[Action]:
+        while self._records and now_s - next(iter(self._records.values()))[1] > self.lease_s:
+            self._records.popitem(last=False)
+        actions: list[Action] = []
+        for key, p in list(self._pending.items()):
+            if not p.writing and now_s - p.created_s > self.lease_s:
+                why = "lease expired: decode never registered" if p.source else (
+                    "lease expired: prefill never finished"
+                )
+                actions += [Reply(peer, "fail", key, why) for peer in p.regs]
+                actions += self._end(key, p, False, why)
+        return actions
+
+    def next_record_expiry_s(self) -> float | None:
+        if not self._records:
+            return None
+        return next(iter(self._records.values()))[1] + self.lease_s
+
+    # -- internals ----------------------------------------------------------------------
+    def _write(self, key: TransferKey, p: _Pending, peer: str) -> Write:
+        assert p.source is not None
+        p.writing.add(peer)
+        return Write(key, peer, p.regs.pop(peer), p.source)
+
+    def _maybe_finish(self, key: TransferKey, p: _Pending) -> list[Action]:
+        if p.source is None or p.writing or p.regs:
+            return []
+        if p.num_expected is not None and p.num_done >= p.num_expected:
+            return self._end(key, p, True, "written")
+        return []
+
+    def _end(self, key: TransferKey, p: _Pending, ok: bool, reason: str) -> list[Action]:
+        actions: list[Action] = [Reply(peer, "fail", key, reason) for peer in p.regs]
+        p.regs.clear()
+        if p.writing:  # free only once the writes on the wire have completed
+            p.failure = p.failure or reason
+            return actions
+        del self._pending[key]
+        self._record(key, reason)
+        if p.source is not None:
+            actions.append(Release(key, ok, "" if ok else reason))
+        return actions
+
+    def _record(self, key: TransferKey, outcome: str) -> None:
+        self._records[key] = (outcome, time.monotonic())
+        self._records.move_to_end(key)
+        while len(self._records) > self.max_records:
+            self._records.popitem(last=False)

@@ -1,0 +1,262 @@
+"""Decode endpoint: registers destination blocks with prefill and counts completions.
+
+`expect()` registers a request's blocks with every prefill rank that holds some of this
+rank's KV heads, and resolves once each of them has written (one NIXL notification per
+prefill rank). `cancel()` resolves only when no prefill rank can still write into the
+blocks: until then they are quarantined.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from kvpush.transfer import wire
+from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
+from kvpush.transfer.handshake import Link
+from kvpush.transfer.layout import rank_heads, writer_heads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    """Where a prefill engine's ranks listen: rank r on base_port + r."""
+
+    host: str
+    base_port: int
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.host or not 0 < self.base_port < 65536 or self.tp_size < 1:
+            raise ValueError(f"bad prefill address {self.host}:{self.base_port} tp={self.tp_size}")
+
+    def rank_address(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.base_port + rank}"
+
+
+@dataclass
+class _Expected:
+    future: Future
+    num_blocks: int
+    started_s: float
+    unsent: dict[str, wire.RegisterMsg]  # by prefill address: waiting for its handshake
+    remaining: set[str]  # prefill addresses that have not completed
+    rank_address: dict[int, str]
+    cancel: Future | None = None
+    failure: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class DecodeEndpoint(Endpoint):
+    role = "decode"
+
+    def __init__(self, config, layout) -> None:  # type: ignore[no-untyped-def]
+        self._expected: dict[wire.TransferKey, _Expected] = {}
+        self._hello_sent: set[str] = set()
+        super().__init__(config, layout)
+
+    # -- API, any thread ----------------------------------------------------------------
+    def expect(
+        self,
+        key: wire.TransferKey,
+        prefill: PrefillAddress,
+        block_ids: list[int],
+        num_tokens: int,
+        num_cached_tokens: int = 0,
+    ) -> Future:
+        """Register `block_ids` for tokens [num_cached_tokens, num_tokens) of `key`.
+
+        Resolves with Outcome(ok=True) once every expected WRITE has landed."""
+        return self._call(
+            self._on_expect, key, prefill, list(block_ids), num_tokens, num_cached_tokens
+        )
+
+    def cancel(self, key: wire.TransferKey) -> Future:
+        """Give the blocks up. Resolves when no prefill rank can still write into them."""
+        return self._call(self._on_cancel, key)
+
+    # -- loop thread --------------------------------------------------------------------
+    def _on_expect(
+        self,
+        key: wire.TransferKey,
+        prefill: PrefillAddress,
+        block_ids: list[int],
+        num_tokens: int,
+        num_cached: int,
+    ) -> Future:
+        if key in self._expected:
+            raise ValueError(f"transfer {key} is already expected")
+        if not 0 <= num_cached <= num_tokens:
+            raise ValueError(f"num_cached_tokens {num_cached} not in 0..{num_tokens}")
+        need = -(-num_tokens // self.layout.block_size)
+        if len(block_ids) < need:
+            raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
+        quarantined = self._num_quarantined()
+        if quarantined + len(block_ids) > self.config.max_quarantined_blocks:
+            raise RuntimeError(f"{quarantined} blocks are quarantined; refusing new transfers")
+        total = self.layout.heads_total
+        decode_tp = self.config.tp_size
+        plan = writer_heads(rank_heads(self.config.rank, decode_tp, total), prefill.tp_size, total)
+        # How many decode ranks each prefill rank hears from for this key.
+        counts: dict[int, int] = {}
+        for d in range(decode_tp):
+            for p in writer_heads(rank_heads(d, decode_tp, total), prefill.tp_size, total):
+                counts[p] = counts.get(p, 0) + 1
+        exp = _Expected(Future(), len(block_ids), time.monotonic(), {}, set(), {})
+        for p_rank, heads in plan.items():
+            address = prefill.rank_address(p_rank)
+            reg = wire.RegisterMsg(
+                key, block_ids, num_tokens, num_cached, (heads.start, heads.stop), counts[p_rank]
+            )
+            exp.rank_address[p_rank] = address
+            exp.remaining.add(address)
+            exp.unsent[address] = reg
+        self._expected[key] = exp
+        for address in list(exp.unsent):
+            self._flush(address)
+        return exp.future
+
+    def _flush(self, address: str) -> None:
+        """Send the registrations queued for a prefill rank, handshaking first if needed."""
+        assert self.channel is not None
+        link = self.channel.link(address)
+        if link.peer is None or link.dropped:  # never met, or maybe restarted since
+            if address not in self._hello_sent:
+                hello = wire.HelloMsg(
+                    self.peer_info, self.agent.metadata(), self.layout, self.config.compat
+                )
+                self._send(link, hello)
+                self._hello_sent.add(address)
+            return
+        for exp in self._expected.values():
+            reg = exp.unsent.pop(address, None)
+            if reg is not None:
+                self._send(link, reg)
+
+    def _on_cancel(self, key: wire.TransferKey) -> Future:
+        exp = self._expected.get(key)
+        if exp is None:
+            return resolved(Outcome(True, "nothing to cancel"))
+        if exp.cancel is not None:
+            return exp.cancel
+        exp.cancel = Future()
+        assert self.channel is not None
+        for address in list(exp.remaining):
+            if exp.unsent.pop(address, None) is not None:  # never reached prefill
+                exp.remaining.discard(address)
+            else:
+                self._send(self.channel.link(address), wire.CancelMsg(key))
+        self._end(key, exp, "cancelled by decode")
+        return exp.cancel
+
+    def _receive(self, env: wire.Envelope) -> None:
+        link = self._link_for(env)
+        msg = env.msg
+        if isinstance(msg, wire.HelloAckMsg):
+            self._on_hello_ack(link, msg)
+        elif isinstance(msg, wire.FailMsg):
+            self._complete(msg.key, link.address, f"prefill failed the transfer: {msg.reason}")
+        elif isinstance(msg, wire.DoneMsg | wire.CancelAckMsg):
+            self._complete(msg.key, link.address, "")
+
+    def _on_hello_ack(self, link: Link, ack: wire.HelloAckMsg) -> None:
+        self._hello_sent.discard(link.address)
+        if ack.error:
+            for key, exp in list(self._expected.items()):
+                if link.address in exp.unsent:
+                    exp.unsent.pop(link.address)
+                    self._complete(key, link.address, f"handshake refused: {ack.error}")
+            return
+        link.peer, link.dropped = ack.peer, False
+        self._flush(link.address)
+
+    def _progress(self) -> None:
+        for sender, payloads in self.agent.notifs().items():
+            for payload in payloads:
+                try:
+                    written = wire.decode_written(payload)
+                except Exception:
+                    log.warning("decode: malformed notification from %s", sender)
+                    continue
+                exp = self._expected.get(written.key)
+                address = exp.rank_address.get(written.prefill_rank) if exp else None
+                if address is None:
+                    log.warning("decode: notification for unknown transfer %s", written.key)
+                    continue
+                self._complete(written.key, address, "")
+
+    def _complete(self, key: wire.TransferKey, address: str, failure: str) -> None:
+        """One prefill rank is done with `key`: written, acknowledged or failed."""
+        exp = self._expected.get(key)
+        if exp is None or address not in exp.remaining:
+            return
+        exp.remaining.discard(address)
+        self._end(key, exp, failure)
+
+    def _end(self, key: wire.TransferKey, exp: _Expected, failure: str) -> None:
+        """Fail or finish the transfer; forget it once no prefill rank can still write."""
+        exp.failure = exp.failure or failure
+        if not exp.future.done() and (failure or not exp.remaining):
+            elapsed = time.monotonic() - exp.started_s
+            exp.future.set_result(Outcome(not failure, failure, elapsed_s=elapsed))
+            if failure:
+                log.warning("decode: transfer %s failed: %s", key, failure)
+        if failure and exp.cancel is None:
+            # Failed: prefill ranks that have not answered yet are told to stand down.
+            exp.cancel = Future()
+            assert self.channel is not None
+            for address in list(exp.remaining):
+                if exp.unsent.pop(address, None) is not None:
+                    exp.remaining.discard(address)
+                else:
+                    self._send(self.channel.link(address), wire.CancelMsg(key))
+        if not exp.remaining:
+            del self._expected[key]
+            if exp.cancel is not None and not exp.cancel.done():
+                exp.cancel.set_result(Outcome(True, "blocks released"))
+
+    def _peer_dead(self, address: str, reason: str, restarted: bool) -> None:
+        """Fail what the peer owed us. After a restart, registrations still queued for the
+        handshake go to the new instance; after a death, they fail too."""
+        if not restarted:
+            self._hello_sent.discard(address)
+            assert self.channel is not None
+            self.channel.link(address).peer = None
+        for key, exp in list(self._expected.items()):
+            if address in exp.remaining and not (restarted and address in exp.unsent):
+                exp.unsent.pop(address, None)
+                exp.remaining.discard(address)
+                self._end(key, exp, reason)
+
+    def _tick(self, now_s: float) -> None:
+        # A safety net only: prefill's lease and liveness end every transfer sooner.
+        limit_s = self.config.lease_s + 2 * self.config.dead_after_s
+        for key, exp in list(self._expected.items()):
+            if exp.cancel is None and now_s - exp.started_s > limit_s:
+                self._end(key, exp, f"no answer from prefill within {limit_s:.0f} s")
+        super()._tick(now_s)
+
+    def _poll_timeout_ms(self) -> int | None:
+        return BUSY_POLL_MS if self._expected else None
+
+    def _pending_addresses(self) -> set[str]:
+        return {a for exp in self._expected.values() for a in exp.remaining}
+
+    def _num_quarantined(self) -> int:
+        return sum(e.num_blocks for e in self._expected.values() if e.cancel is not None)
+
+    def _read_gauges(self) -> dict[str, int]:
+        waiting = [e for e in self._expected.values() if e.cancel is None]
+        return {
+            "expected": len(waiting),
+            "expected_blocks": sum(e.num_blocks for e in waiting),
+            "quarantined_blocks": self._num_quarantined(),
+        }
+
+    def _shutdown(self) -> None:
+        for key, exp in list(self._expected.items()):
+            exp.remaining.clear()
+            self._end(key, exp, "decode endpoint closed")

@@ -1,0 +1,144 @@
+"""Typed messages of the side channel (msgspec), and the compatibility check.
+
+Decode ranks start every conversation: HELLO, then REGISTER / CANCEL per transfer.
+Prefill ranks answer with HELLO_ACK, CANCEL_ACK, FAIL and DONE. Both send HEARTBEAT while
+they share pending transfers. The data's own completion travels as the NIXL notification of
+the WRITE (a `WrittenMsg`), so it can never overtake the data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from kvpush.transfer.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+
+
+class TransferKey(msgspec.Struct, frozen=True, array_like=True):
+    """The router's transfer_id plus the index of the sub-request (prompt list, n > 1)."""
+
+    transfer_id: str
+    sub_index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.transfer_id}#{self.sub_index}"
+
+
+class Compat(msgspec.Struct, frozen=True):
+    """What prefill and decode must agree on; a mismatch is refused at handshake."""
+
+    mode: str  # "push"
+    model: str
+    dtype: str
+    layout_kind: str  # e.g. "head-major/2 regions/64 B per head-token/8 heads"
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+    def mismatch(self, other: Compat) -> str | None:
+        diffs = [
+            f"{name}: prefill={getattr(other, name)!r} decode={getattr(self, name)!r}"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return "; ".join(diffs) or None
+
+
+def layout_kind(layout: KVLayout) -> str:
+    order = "head-major" if layout.head_major else "token-major"
+    return (
+        f"{order}/{len(layout.regions)} regions/{layout.head_bytes} B per head-token/"
+        f"{layout.heads_total} KV heads"
+    )
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    engine_id: str
+    rank: int
+    instance_id: str  # random per process start: a restarted peer is a new peer
+    side_channel: str  # "tcp://host:port" where this rank listens
+    agent_name: str
+
+
+class HelloMsg(msgspec.Struct, tag="hello"):
+    peer: PeerInfo
+    agent_metadata: bytes
+    layout: KVLayout
+    compat: Compat
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class HelloAckMsg(msgspec.Struct, tag="hello_ack"):
+    peer: PeerInfo
+    layout: KVLayout | None = None
+    error: str | None = None
+
+
+class RegisterMsg(msgspec.Struct, tag="register"):
+    key: TransferKey
+    block_ids: list[int]  # decode blocks covering tokens from position 0
+    num_tokens: int  # prompt tokens that must end up on decode
+    num_cached_tokens: int  # leading tokens decode already holds: not written
+    heads: tuple[int, int]  # [start, stop) global heads this prefill rank writes
+    num_registrations: int  # decode ranks that register with this prefill rank for the key
+
+
+class CancelMsg(msgspec.Struct, tag="cancel"):
+    key: TransferKey
+
+
+class CancelAckMsg(msgspec.Struct, tag="cancel_ack"):
+    key: TransferKey
+
+
+class FailMsg(msgspec.Struct, tag="fail"):
+    key: TransferKey
+    reason: str
+
+
+class DoneMsg(msgspec.Struct, tag="done"):
+    """Sent instead of a WRITE when there is nothing to write (full prefix hit on decode)."""
+
+    key: TransferKey
+
+
+class HeartbeatMsg(msgspec.Struct, tag="heartbeat"):
+    pass
+
+
+Msg = (
+    HelloMsg | HelloAckMsg | RegisterMsg | CancelMsg | CancelAckMsg | FailMsg | DoneMsg | HeartbeatMsg
+)
+
+
+class Envelope(msgspec.Struct):
+    sender: str  # instance_id of the sending rank
+    reply_to: str  # the sending rank's side-channel address
+    msg: Msg
+
+
+class WrittenMsg(msgspec.Struct, array_like=True):
+    """NIXL notification attached to each WRITE: arrives only after the data landed."""
+
+    key: TransferKey
+    prefill_rank: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_written_decoder = msgspec.msgpack.Decoder(WrittenMsg)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    return _envelope_decoder.decode(data)
+
+
+def decode_written(data: bytes) -> WrittenMsg:
+    return _written_decoder.decode(data)

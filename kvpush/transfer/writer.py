@@ -1,0 +1,244 @@
+"""Prefill endpoint: the background writer that pushes finished prefills into decode blocks.
+
+The caller (vLLM's worker, or a test) calls `push()` when a request's prefill is done and
+gets a future that resolves when its blocks may be freed. Everything else happens on the
+loop thread: handshakes, matching (matcher.py), descriptor builds, WRITE posts, completion.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.transfer import wire
+from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
+from kvpush.transfer.layout import KVLayout, plan_copies
+from kvpush.transfer.matcher import Action, Matcher, Release, Reply, Source, Write
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _DecodePeer:
+    agent_name: str
+    layout: KVLayout
+    engine_id: str
+    rank: int
+
+
+@dataclass
+class _InFlight:
+    handle: Any
+    started_s: float
+    num_bytes: int
+    num_descs: int
+
+
+class PrefillEndpoint(Endpoint):
+    role = "prefill"
+
+    def __init__(self, config: Any, layout: KVLayout) -> None:
+        self._matcher = Matcher(config.lease_s)
+        self._peers: dict[str, _DecodePeer] = {}  # by decode side-channel address
+        self._in_flight: dict[tuple[wire.TransferKey, str], _InFlight] = {}
+        self._futures: dict[wire.TransferKey, Future] = {}
+        self._stats: dict[wire.TransferKey, list[int]] = {}  # bytes, descriptors so far
+        self._started: dict[wire.TransferKey, float] = {}
+        super().__init__(config, layout)
+
+    # -- API, any thread ----------------------------------------------------------------
+    def push(self, key: wire.TransferKey, block_ids: list[int], num_tokens: int) -> Future:
+        """Prefill of `key` is done: write it to decode. Resolves when the blocks may be freed."""
+        return self._call(self._on_source, key, Source(list(block_ids), num_tokens))
+
+    def abort(self, key: wire.TransferKey, reason: str) -> None:
+        """The prefill request failed or was aborted: tell decode, hold nothing."""
+        self._call(self._apply_all, self._matcher.abort, key, reason)
+
+    # -- loop thread --------------------------------------------------------------------
+    def _on_source(self, key: wire.TransferKey, source: Source) -> Future:
+        if key in self._futures:
+            return resolved(Outcome(False, f"transfer {key} is already being pushed"))
+        future: Future = Future()
+        self._futures[key] = future
+        self._started[key] = time.monotonic()
+        self._apply(self._matcher.source_ready(key, source, time.monotonic()))
+        return future
+
+    def _apply_all(self, fn: Any, *args: Any) -> None:
+        self._apply(fn(*args))
+
+    def _receive(self, env: wire.Envelope) -> None:
+        link = self._link_for(env)
+        msg, peer = env.msg, env.reply_to
+        if isinstance(msg, wire.HelloMsg):
+            self._on_hello(link, msg)
+        elif isinstance(msg, wire.HeartbeatMsg):
+            pass
+        elif peer not in self._peers or link.peer is None:
+            key = getattr(msg, "key", None)
+            if key is not None:
+                reason = "prefill does not know this decode instance; handshake first"
+                self._send(link, wire.FailMsg(key, reason))
+        elif isinstance(msg, wire.RegisterMsg):
+            self._apply(self._matcher.register(peer, msg, time.monotonic()))
+        elif isinstance(msg, wire.CancelMsg):
+            self._apply(self._matcher.cancel(peer, msg.key))
+        else:
+            log.warning("prefill: unexpected %s from %s", type(msg).__name__, peer)
+
+    def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
+        error = None
+        mine = self.config.compat
+        if hello.protocol_version != wire.PROTOCOL_VERSION:
+            error = (
+                f"protocol version mismatch: prefill={wire.PROTOCOL_VERSION} "
+                f"decode={hello.protocol_version}"
+            )
+        elif (diff := hello.compat.mismatch(mine)) is not None:
+            error = f"incompatible prefill and decode: {diff}"
+        elif hello.layout.shape_key() != self.layout.shape_key():
+            error = (
+                f"KV layouts cannot be copied: prefill={wire.layout_kind(self.layout)} "
+                f"decode={wire.layout_kind(hello.layout)}"
+            )
+        if error is None:
+            old = self._peers.pop(link.address, None)
+            if old is not None:
+                self.agent.remove_remote(old.agent_name)
+            # The same decode rank under a new address: the old one is stale.
+            for address, peer in list(self._peers.items()):
+                if (peer.engine_id, peer.rank) == (hello.peer.engine_id, hello.peer.rank):
+                    why = f"decode {peer.engine_id}/{peer.rank} restarted"
+                    self._peer_dead(address, why, restarted=True)
+            try:
+                name = self.agent.add_remote(hello.agent_metadata)
+                self._peers[link.address] = _DecodePeer(
+                    name, hello.layout, hello.peer.engine_id, hello.peer.rank
+                )
+                link.peer = hello.peer
+            except Exception as e:
+                error = f"cannot load decode agent metadata: {e}"
+        if error:
+            log.warning("prefill: refused handshake from %s: %s", link.address, error)
+        self._send(link, wire.HelloAckMsg(self.peer_info, self.layout, error))
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Write):
+                self._post(action)
+            elif isinstance(action, Reply):
+                self._reply(action)
+            elif isinstance(action, Release):
+                self._release(action)
+
+    def _reply(self, r: Reply) -> None:
+        assert self.channel is not None
+        link = self.channel.link(r.peer)
+        if r.kind == "fail":
+            self._send(link, wire.FailMsg(r.key, r.reason))
+        elif r.kind == "ack":
+            self._send(link, wire.CancelAckMsg(r.key))
+        else:
+            self._send(link, wire.DoneMsg(r.key))
+
+    def _release(self, r: Release) -> None:
+        started = self._started.pop(r.key, time.monotonic())
+        num_bytes, num_descs = self._stats.pop(r.key, (0, 0))
+        future = self._futures.pop(r.key, None)
+        outcome = Outcome(r.ok, r.reason, num_bytes, num_descs, time.monotonic() - started)
+        if not r.ok:
+            log.warning("prefill: transfer %s failed: %s", r.key, r.reason)
+        if future is not None and not future.done():
+            future.set_result(outcome)
+
+    def _post(self, w: Write) -> None:
+        peer = self._peers.get(w.peer)
+        try:
+            if peer is None:
+                raise RuntimeError(f"decode peer {w.peer} is gone")
+            reg = w.reg
+            heads = range(*reg.heads)
+            mine = range(self.layout.first_head, self.layout.first_head + self.layout.num_heads)
+            if heads.start < mine.start or heads.stop > mine.stop:
+                raise ValueError(f"registered heads {heads} are not held by this rank ({mine})")
+            if reg.num_tokens > w.source.num_tokens:
+                raise ValueError(
+                    f"decode expects {reg.num_tokens} tokens, prefill has {w.source.num_tokens}"
+                )
+            plan = plan_copies(
+                self.layout, peer.layout, w.source.block_ids, reg.block_ids,
+                reg.num_cached_tokens, reg.num_tokens, heads,
+            )  # fmt: skip
+            src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
+            notif = wire.encode(wire.WrittenMsg(w.key, self.config.rank))
+            handle, state = self.agent.write(
+                peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type, notif
+            )
+        except Exception as e:
+            self._apply(self._matcher.write_done(w.key, w.peer, False, f"WRITE not posted: {e}"))
+            return
+        stats = self._stats.setdefault(w.key, [0, 0])
+        stats[0] += plan.total_bytes
+        stats[1] += plan.num_descs
+        self._in_flight[(w.key, w.peer)] = _InFlight(
+            handle, time.monotonic(), plan.total_bytes, plan.num_descs
+        )
+        if state == "ERR":
+            self._finish_write(w.key, w.peer, "ERR")
+
+    def _progress(self) -> None:
+        for (key, peer), flight in list(self._in_flight.items()):
+            state = self.agent.state(flight.handle)
+            if state != "PROC":
+                self._finish_write(key, peer, state)
+
+    def _finish_write(self, key: wire.TransferKey, peer: str, state: str) -> None:
+        flight = self._in_flight.pop((key, peer))
+        self.agent.release(flight.handle)
+        ok = state == "DONE"
+        self._apply(self._matcher.write_done(key, peer, ok, "" if ok else "NIXL WRITE failed"))
+
+    def _peer_dead(self, address: str, reason: str, restarted: bool) -> None:
+        for key, peer in list(self._in_flight):
+            if peer == address:
+                self.agent.release(self._in_flight.pop((key, peer)).handle)
+        peer_state = self._peers.pop(address, None)
+        if peer_state is not None:
+            self.agent.remove_remote(peer_state.agent_name)
+        self._apply(self._matcher.peer_dead(address, reason))
+
+    def _poll_timeout_ms(self) -> int | None:
+        if self._in_flight:
+            return BUSY_POLL_MS
+        if self._matcher.has_pending():
+            return LEASE_POLL_MS
+        expiry_s = self._matcher.next_record_expiry_s()
+        if expiry_s is None:
+            return None
+        return max(LEASE_POLL_MS, int((expiry_s - time.monotonic()) * 1000) + 1)
+
+    def _tick(self, now_s: float) -> None:
+        self._apply(self._matcher.expire(now_s))
+        super()._tick(now_s)
+
+    def _pending_addresses(self) -> set[str]:
+        return self._matcher.peers_with_pending()
+
+    def _read_gauges(self) -> dict[str, int]:
+        return {
+            "pending_match": self._matcher.num_pending_match,
+            "in_flight": len(self._in_flight),
+            "held_sources": len(self._futures),
+            "cancel_records": self._matcher.num_records,
+            "peers": len(self._peers),
+        }
+
+    def _shutdown(self) -> None:
+        for key, peer in list(self._in_flight):
+            self.agent.release(self._in_flight.pop((key, peer)).handle)
+        for key in list(self._futures):
+            self._release(Release(key, False, "prefill endpoint closed"))

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+
+from kvpush.transfer.endpoint import TransferConfig
+from kvpush.transfer.harness import LayoutSpec, Side
+from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.wire import Compat
+
+COMPAT = Compat(mode="push", model="tiny", dtype="float16", layout_kind="test")
+SPEC = LayoutSpec(num_blocks=64, block_size=16, num_heads=2, head_bytes=32)
+
+
+def free_port(span: int = 1) -> int:
+    """A base port with `span` free ports above it (prefill rank r listens on base + r)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span < 65536 and all(_is_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def prefill_config(port: int, **kw) -> TransferConfig:
+    return TransferConfig("prefill-a", COMPAT, side_channel_port=port, lease_s=3.0, **kw)
+
+
+def decode_config(**kw) -> TransferConfig:
+    return TransferConfig("decode-a", COMPAT, lease_s=3.0, **kw)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Poll until predicate() is true; return the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def assert_idle(*sides: Side, timeout_s: float = 5.0) -> None:
+    """Every gauge (pending, in flight, quarantined, records) returns to 0."""
+
+    def idle() -> bool:
+        for side in sides:
+            g = side.call("gauges")
+            g.pop("peers", None)
+            if any(g.values()):
+                return False
+        return True
+
+    wait_for(idle, timeout_s, f"gauges back to 0: {[s.call('gauges') for s in sides]}")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """One prefill and one decode endpoint, each in its own process."""
+    port = free_port()
+    prefill = Side("prefill", prefill_config(port), SPEC, seed=11)
+    decode = Side("decode", decode_config(), SPEC)
+    yield prefill, decode, PrefillAddress("127.0.0.1", port)
+    prefill.close()
+    decode.close()
+
+
+def spec(**kw) -> LayoutSpec:
+    return replace(SPEC, **kw)

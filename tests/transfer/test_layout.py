@@ -1,0 +1,135 @@
+"""Copy plans: descriptor counts, and byte-exact landing checked against the reference."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvpush.transfer.harness import LayoutSpec, fill_pattern
+from kvpush.transfer.layout import plan_copies, rank_heads, writer_heads
+from tests.transfer.reference import expected_after_push
+
+
+def apply(plan, src_arrays, dst_arrays, src_layout, dst_layout):
+    """Carry out a plan with memcpy inside this process (the NIXL tests do it for real)."""
+    out = [a.copy() for a in dst_arrays]
+    for s, d, n in zip(plan.src_addrs, plan.dst_addrs, plan.num_bytes, strict=True):
+        rs = _region_of(src_layout, src_arrays, s)
+        rd = _region_of(dst_layout, dst_arrays, d)
+        so = int(s - src_layout.regions[rs].base_addr)
+        do = int(d - dst_layout.regions[rd].base_addr)
+        assert rs == rd, "a descriptor crossed regions"
+        out[rd][do : do + n] = src_arrays[rs][so : so + n]
+    return out
+
+
+def _region_of(layout, arrays, addr):
+    (idx,) = [
+        i for i, (r, a) in enumerate(zip(layout.regions, arrays, strict=True))
+        if r.base_addr <= addr < r.base_addr + a.nbytes
+    ]  # fmt: skip
+    return idx
+
+
+def check(src_spec, dst_spec, src_ids, dst_ids, start, end, heads=None):
+    src = fill_pattern(src_spec, 7)
+    dst = [np.full(dst_spec.region_num_bytes, 0xEE, np.uint8) for _ in range(dst_spec.num_regions)]
+    # Fresh arrays keep their addresses for the plan and the apply step alike.
+    src_layout, dst_layout = src_spec.build(src), dst_spec.build(dst)
+    heads = heads or range(dst_spec.first_head, dst_spec.first_head + dst_spec.num_heads)
+    plan = plan_copies(src_layout, dst_layout, src_ids, dst_ids, start, end, heads)
+    got = apply(plan, src, dst, src_layout, dst_layout)
+    want = expected_after_push(src, dst, src_spec, dst_spec, src_ids, dst_ids, start, end, heads)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w)
+    return plan
+
+
+BASE = LayoutSpec(num_blocks=32, block_size=16, num_heads=2, head_bytes=8)
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+def test_contiguous_run_is_one_descriptor_per_region(head_major):
+    spec = replace(BASE, head_major=head_major)
+    plan = check(spec, spec, [3, 4, 5, 6], [10, 11, 12, 13], 0, 64)
+    assert plan.num_descs == spec.num_regions
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+def test_fragmented_run_is_one_descriptor_per_piece_per_region(head_major):
+    spec = replace(BASE, head_major=head_major)
+    # destination broken into 3 runs: [10, 11] [20] [5, 6]
+    plan = check(spec, spec, [1, 2, 3, 4, 5], [10, 11, 20, 5, 6], 0, 80)
+    assert plan.num_descs == 3 * spec.num_regions
+
+
+def test_head_split_is_at_most_one_descriptor_per_destination_block_per_region():
+    prefill = replace(BASE, num_heads=4, total_heads=4)
+    decode1 = replace(BASE, num_heads=2, first_head=2, total_heads=4)
+    plan = check(prefill, decode1, [0, 1, 2, 3], [7, 8, 9, 10], 0, 64, range(2, 4))
+    assert plan.num_descs <= 4 * BASE.num_regions
+
+
+def test_head_gather_two_prefill_ranks_fill_one_decode_rank():
+    decode = replace(BASE, num_heads=4, total_heads=4)
+    for rank in range(2):
+        prefill = replace(BASE, num_heads=2, first_head=2 * rank, total_heads=4)
+        heads = range(2 * rank, 2 * rank + 2)
+        plan = check(prefill, decode, [0, 1], [5, 6], 0, 32, heads)
+        assert plan.num_descs <= 2 * 2 * BASE.num_regions  # per dst block: one per head
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16)])
+def test_block_size_change_head_major(src_bs, dst_bs):
+    src, dst = replace(BASE, block_size=src_bs), replace(BASE, block_size=dst_bs)
+    n_src, n_dst = 128 // src_bs, 128 // dst_bs
+    plan = check(src, dst, list(range(n_src)), list(range(3, 3 + n_dst)), 0, 128)
+    # Head-major rows of different lengths cannot merge across heads: one descriptor per
+    # (source block x destination block overlap, head) per region, never more.
+    pieces = max(n_src, n_dst)
+    assert plan.num_descs <= pieces * BASE.num_heads * BASE.num_regions
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16)])
+def test_block_size_change_token_major_is_one_per_destination_block(src_bs, dst_bs):
+    src = replace(BASE, block_size=src_bs, head_major=False)
+    dst = replace(BASE, block_size=dst_bs, head_major=False)
+    n_src, n_dst = 128 // src_bs, 128 // dst_bs
+    plan = check(src, dst, list(range(n_src)), [9, 2, 30, 4, 5, 6, 7, 8][:n_dst], 0, 128)
+    assert plan.num_descs <= n_dst * BASE.num_regions
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+@pytest.mark.parametrize("cached", [0, 16, 24, 47, 48])
+def test_cached_prefix_is_skipped_even_mid_block(head_major, cached):
+    src = replace(BASE, block_size=16, head_major=head_major)
+    dst = replace(BASE, block_size=32, head_major=head_major)
+    # decode already holds `cached` tokens; nothing before them may change
+    plan = check(src, dst, [0, 1, 2, 3], [4, 5], cached, 60)
+    assert plan.total_bytes == (60 - cached) * BASE.num_heads * BASE.head_bytes * 2
+
+
+def test_nothing_to_write_is_an_empty_plan():
+    assert check(BASE, BASE, [1, 2], [3, 4], 32, 32).num_descs == 0
+
+
+def test_bad_block_ids_are_refused_with_the_limit():
+    src = fill_pattern(BASE, 1)
+    layout = BASE.build(src)
+    with pytest.raises(ValueError, match="out of range 0..31"):
+        plan_copies(layout, layout, [0, 1], [0, 99], 0, 32)
+    with pytest.raises(ValueError, match="need 2"):
+        plan_copies(layout, layout, [0], [0, 1], 0, 32)
+
+
+@pytest.mark.parametrize(("decode_tp", "prefill_tp", "heads", "want"), [
+    (2, 1, 4, [{0: range(0, 2)}, {0: range(2, 4)}]),
+    (1, 2, 4, [{0: range(0, 2), 1: range(2, 4)}]),
+    (1, 1, 4, [{0: range(0, 4)}]),
+    (2, 8, 2, [{0: range(0, 1)}, {4: range(1, 2)}]),  # replicated prefill heads: one writer
+])  # fmt: skip
+def test_which_prefill_rank_writes_which_heads(decode_tp, prefill_tp, heads, want):
+    got = [writer_heads(rank_heads(d, decode_tp, heads), prefill_tp, heads) for d in range(decode_tp)]
+    assert got == want

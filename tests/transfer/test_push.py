@@ -1,0 +1,170 @@
+"""The push engine over real NIXL/UCX on DRAM, prefill and decode in separate processes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from kvpush.transfer.harness import Side
+from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.wire import TransferKey
+from tests.transfer.conftest import (
+    SPEC,
+    assert_idle,
+    decode_config,
+    free_port,
+    prefill_config,
+    spec,
+    wait_for,
+)
+from tests.transfer.reference import expected_after_push
+
+
+def new_key(sub: int = 0) -> TransferKey:
+    return TransferKey(uuid.uuid4().hex, sub)
+
+
+def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order="register"):
+    """Run one transfer and check every byte of decode's memory afterwards."""
+    src = prefill.call("regions")
+    before = decode.call("regions")
+    key = new_key()
+    if order == "register":
+        fd = decode.call("expect", key, address, dst_ids, num_tokens, cached)
+        time.sleep(0.3)
+        fp = prefill.call("push", key, src_ids, num_tokens)
+    else:
+        fp = prefill.call("push", key, src_ids, num_tokens)
+        time.sleep(0.3)
+        fd = decode.call("expect", key, address, dst_ids, num_tokens, cached)
+    out_d, out_p = decode.wait(fd), prefill.wait(fp)
+    assert out_d.ok, out_d.reason
+    assert out_p.ok, out_p.reason
+    heads = range(decode.spec.first_head, decode.spec.first_head + decode.spec.num_heads)
+    want = expected_after_push(
+        src, before, prefill.spec, decode.spec, src_ids, dst_ids, cached, num_tokens, heads
+    )
+    for got, exp in zip(decode.call("regions"), want, strict=True):
+        assert np.array_equal(got, exp), "decode memory differs from the reference"
+    return out_p
+
+
+@pytest.mark.parametrize("order", ["register", "prefill-first"])
+def test_both_arrival_orders_land_byte_exact(pair, order):
+    prefill, decode, address = pair
+    out = push(prefill, decode, address, [1, 2, 3, 4], [10, 11, 12, 13], 64, order=order)
+    assert out.num_descs == SPEC.num_regions  # one contiguous run
+    assert out.num_bytes == 64 * SPEC.num_heads * SPEC.head_bytes * SPEC.num_regions
+    assert_idle(prefill, decode)
+
+
+def test_fragmented_blocks_post_one_descriptor_per_run(pair):
+    prefill, decode, address = pair
+    out = push(prefill, decode, address, [5, 6, 7, 8, 9], [20, 21, 30, 40, 41], 80)
+    assert out.num_descs == 3 * SPEC.num_regions
+    assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("cached", [16, 24])
+def test_cached_prefix_is_not_written_even_mid_block(pair, cached):
+    prefill, decode, address = pair
+    decode.call("reset")
+    out = push(prefill, decode, address, [0, 1, 2, 3], [50, 51, 52, 53], 60, cached=cached)
+    assert out.num_bytes == (60 - cached) * SPEC.num_heads * SPEC.head_bytes * SPEC.num_regions
+    assert_idle(prefill, decode)
+
+
+def test_sub_requests_of_one_transfer_id_pair_separately(pair):
+    prefill, decode, address = pair
+    decode.call("reset")
+    tid = uuid.uuid4().hex
+    src = prefill.call("regions")
+    dst_ids = {0: [1, 2], 1: [3, 4], 2: [5, 6]}
+    src_ids = {0: [10, 11], 1: [20, 21], 2: [30, 31]}
+    fds = [decode.call("expect", TransferKey(tid, i), address, dst_ids[i], 32) for i in range(3)]
+    fps = [prefill.call("push", TransferKey(tid, i), src_ids[i], 32) for i in (2, 0, 1)]
+    assert all(decode.wait(f).ok for f in fds)
+    assert all(prefill.wait(f).ok for f in fps)
+    got = decode.call("regions")
+    bb = SPEC.block_size * SPEC.num_heads * SPEC.head_bytes
+    for i in range(3):
+        for d, s in zip(dst_ids[i], src_ids[i], strict=True):
+            assert np.array_equal(got[0][d * bb : (d + 1) * bb], src[0][s * bb : (s + 1) * bb])
+    assert_idle(prefill, decode)
+
+
+def test_late_registration_for_a_finished_key_is_answered_at_once(pair):
+    prefill, decode, address = pair
+    key = new_key()
+    fd = decode.call("expect", key, address, [1, 2], 32)
+    fp = prefill.call("push", key, [3, 4], 32)
+    assert decode.wait(fd).ok and prefill.wait(fp).ok
+    start = time.monotonic()
+    late = decode.wait(decode.call("expect", key, address, [1, 2], 32), timeout_s=5)
+    assert not late.ok and "already ended" in late.reason
+    assert time.monotonic() - start < 1.0
+
+
+def test_late_registration_for_a_failed_key_is_answered_at_once(pair):
+    prefill, decode, address = pair
+    key = new_key()
+    out = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=10)
+    assert not out.ok and "lease expired" in out.reason  # nobody registered within 3 s
+    start = time.monotonic()
+    late = decode.wait(decode.call("expect", key, address, [1, 2], 32), timeout_s=5)
+    assert not late.ok and "lease expired" in late.reason
+    assert time.monotonic() - start < 1.0
+
+
+def test_lease_frees_a_source_nobody_registered_for(pair):
+    prefill, decode, address = pair
+    start = time.monotonic()
+    out = prefill.wait(prefill.call("push", new_key(), [3, 4], 32), timeout_s=10)
+    elapsed = time.monotonic() - start
+    assert not out.ok and "decode never registered" in out.reason
+    assert 2.9 < elapsed < 4.0  # lease_s = 3
+    assert_idle(prefill, decode)
+
+
+def test_cancel_then_late_write_lands_nothing(pair):
+    prefill, decode, address = pair
+    decode.call("reset")
+    key = new_key()
+    fd = decode.call("expect", key, address, [7, 8], 32)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    released = decode.wait(decode.call("cancel", key), timeout_s=5)
+    assert released.ok
+    assert not decode.wait(fd).ok
+    out = prefill.wait(prefill.call("push", key, [1, 2], 32))
+    assert not out.ok and "cancelled" in out.reason
+    assert all((r == 0xEE).all() for r in decode.call("regions")), "a cancelled block was written"
+    assert_idle(prefill, decode)
+
+
+def test_unknown_prefill_rank_fails_by_liveness_not_lease(pair):
+    _, decode, _ = pair
+    nobody = PrefillAddress("127.0.0.1", free_port())
+    start = time.monotonic()
+    out = decode.wait(decode.call("expect", new_key(), nobody, [1], 16), timeout_s=10)
+    assert not out.ok and "dead" in out.reason
+    assert time.monotonic() - start < 6.5
+
+
+def test_idle_endpoints_use_no_cpu(pair):
+    prefill, decode, _ = pair
+    assert_idle(prefill, decode)
+    ticks = [_cpu_ticks(s.proc.pid) for s in (prefill, decode)]
+    time.sleep(5)
+    hz = 100  # USER_HZ on Linux
+    for side, before in zip((prefill, decode), ticks, strict=True):
+        used = (_cpu_ticks(side.proc.pid) - before) / hz / 5
+        assert used < 0.02, f"idle {side.role} used {used:.1%} of a core"
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
