@@ -135,6 +135,7 @@ class Endpoint:
         self.peer_info = wire.PeerInfo(
             cfg.engine_id, cfg.rank, self.instance_id, self.channel.address, agent_name
         )
+        self._gauges = self._read_gauges()
         self._ready.set_result(None)
         try:
             while not self._closing:

@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvpush.transfer.layout import KVLayout, RegionSpec
@@ -65,7 +66,7 @@ def _child(
         register = Agent.register
 
         def register_half(self: Agent, layout: KVLayout) -> None:
-            register(self, replace(layout, num_blocks=layout.num_blocks // 2))
+            register(self, msgspec.structs.replace(layout, num_blocks=layout.num_blocks // 2))
 
         Agent.register = register_half  # type: ignore[method-assign]
 

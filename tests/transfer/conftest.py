@@ -36,11 +36,13 @@ def _is_free(port: int) -> bool:
 
 
 def prefill_config(port: int, **kw) -> TransferConfig:
-    return TransferConfig("prefill-a", COMPAT, side_channel_port=port, lease_s=3.0, **kw)
+    kw.setdefault("lease_s", 3.0)
+    return TransferConfig("prefill-a", COMPAT, side_channel_port=port, **kw)
 
 
 def decode_config(**kw) -> TransferConfig:
-    return TransferConfig("decode-a", COMPAT, lease_s=3.0, **kw)
+    kw.setdefault("lease_s", 3.0)
+    return TransferConfig("decode-a", COMPAT, **kw)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> float:
