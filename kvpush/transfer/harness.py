@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,8 +49,7 @@ class LayoutSpec:
 def fill_pattern(spec: LayoutSpec, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [
-        rng.integers(0, 256, spec.region_num_bytes, dtype=np.uint8)
-        for _ in range(spec.num_regions)
+        rng.integers(0, 256, spec.region_num_bytes, dtype=np.uint8) for _ in range(spec.num_regions)
     ]
 
 
@@ -101,6 +101,12 @@ def _child(
                 result = endpoint.gauges()
             elif method == "regions":
                 result = [a.copy() for a in arrays]
+            elif method == "timed":  # (future id, seconds the calling thread was held)
+                start = time.perf_counter()
+                future = getattr(endpoint, args[0])(*args[1:])
+                held_s = time.perf_counter() - start
+                futures[id(future)] = future
+                result = (id(future), held_s)
             elif method == "reset":
                 for a in arrays:
                     a.fill(0xEE)
@@ -131,7 +137,9 @@ class Side:
         ctx = mp.get_context("spawn")
         self.role, self.config, self.spec = role, config, spec
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, role, config, spec, seed, fault), daemon=True)
+        self.proc = ctx.Process(
+            target=_child, args=(child, role, config, spec, seed, fault), daemon=True
+        )
         self.proc.start()
         child.close()
         self.address = self._reply(120)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpush.transfer.wire import RegisterMsg, TransferKey
@@ -64,8 +65,11 @@ class _Pending:
 
 
 class Matcher:
-    def __init__(self, lease_s: float, max_records: int = 10_000) -> None:
+    def __init__(
+        self, lease_s: float, max_records: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.lease_s = lease_s
+        self._clock = clock
         self.max_records = max_records
         self._pending: dict[TransferKey, _Pending] = {}
         # Keys that ended (finished, failed, cancelled), kept for one lease so that a late
@@ -92,7 +96,8 @@ class Matcher:
         return {peer for p in self._pending.values() for peer in (*p.regs, *p.writing)}
 
     # -- events -------------------------------------------------------------------------
-    def source_ready(self, key: TransferKey, source: Source, now_s: float) -> list[Action]:
+    def source_ready(self, key: TransferKey, source: Source) -> list[Action]:
+        now_s = self._clock()
         if key in self._records:
             return [Release(key, False, f"transfer {key} already ended: {self._records[key][0]}")]
         p = self._pending.setdefault(key, _Pending(created_s=now_s))
@@ -102,7 +107,8 @@ class Matcher:
         actions: list[Action] = [self._write(key, p, peer) for peer in list(p.regs)]
         return actions + self._maybe_finish(key, p)
 
-    def register(self, peer: str, reg: RegisterMsg, now_s: float) -> list[Action]:
+    def register(self, peer: str, reg: RegisterMsg) -> list[Action]:
+        now_s = self._clock()
         key = reg.key
         if key in self._records:
             outcome = self._records[key][0]
@@ -155,8 +161,7 @@ class Matcher:
             return []
         if p.writing:  # data is on the wire; its completion decides
             return []
-        fails: list[Action] = [Reply(peer, "fail", key, reason) for peer in p.regs]
-        return fails + self._end(key, p, False, reason)
+        return self._end(key, p, False, reason)
 
     def peer_dead(self, peer: str, reason: str) -> list[Action]:
         actions: list[Action] = []
@@ -168,16 +173,18 @@ class Matcher:
                 actions += self._end(key, p, False, reason)
         return actions
 
-    def expire(self, now_s: float) -> list[Action]:
+    def expire(self) -> list[Action]:
+        now_s = self._clock()
         while self._records and now_s - next(iter(self._records.values()))[1] > self.lease_s:
             self._records.popitem(last=False)
         actions: list[Action] = []
         for key, p in list(self._pending.items()):
             if not p.writing and now_s - p.created_s > self.lease_s:
-                why = "lease expired: decode never registered" if p.source else (
-                    "lease expired: prefill never finished"
+                why = (
+                    "lease expired: decode never registered"
+                    if p.source
+                    else ("lease expired: prefill never finished")
                 )
-                actions += [Reply(peer, "fail", key, why) for peer in p.regs]
                 actions += self._end(key, p, False, why)
         return actions
 
@@ -212,7 +219,7 @@ class Matcher:
         return actions
 
     def _record(self, key: TransferKey, outcome: str) -> None:
-        self._records[key] = (outcome, time.monotonic())
+        self._records[key] = (outcome, self._clock())
         self._records.move_to_end(key)
         while len(self._records) > self.max_records:
             self._records.popitem(last=False)

@@ -110,7 +110,14 @@ class HeartbeatMsg(msgspec.Struct, tag="heartbeat"):
 
 
 Msg = (
-    HelloMsg | HelloAckMsg | RegisterMsg | CancelMsg | CancelAckMsg | FailMsg | DoneMsg | HeartbeatMsg
+    HelloMsg
+    | HelloAckMsg
+    | RegisterMsg
+    | CancelMsg
+    | CancelAckMsg
+    | FailMsg
+    | DoneMsg
+    | HeartbeatMsg
 )
 
 

@@ -65,7 +65,7 @@ class PrefillEndpoint(Endpoint):
         future: Future = Future()
         self._futures[key] = future
         self._started[key] = time.monotonic()
-        self._apply(self._matcher.source_ready(key, source, time.monotonic()))
+        self._apply(self._matcher.source_ready(key, source))
         return future
 
     def _apply_all(self, fn: Any, *args: Any) -> None:
@@ -84,7 +84,7 @@ class PrefillEndpoint(Endpoint):
                 reason = "prefill does not know this decode instance; handshake first"
                 self._send(link, wire.FailMsg(key, reason))
         elif isinstance(msg, wire.RegisterMsg):
-            self._apply(self._matcher.register(peer, msg, time.monotonic()))
+            self._apply(self._matcher.register(peer, msg))
         elif isinstance(msg, wire.CancelMsg):
             self._apply(self._matcher.cancel(peer, msg.key))
         else:
@@ -175,9 +175,10 @@ class PrefillEndpoint(Endpoint):
             )  # fmt: skip
             src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
             notif = wire.encode(wire.WrittenMsg(w.key, self.config.rank))
-            handle, state = self.agent.write(
-                peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type, notif
-            )
+            handle, state = self.agent.post(
+                "WRITE", peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type,
+                notif,
+            )  # fmt: skip
         except Exception as e:
             self._apply(self._matcher.write_done(w.key, w.peer, False, f"WRITE not posted: {e}"))
             return
@@ -222,7 +223,7 @@ class PrefillEndpoint(Endpoint):
         return max(LEASE_POLL_MS, int((expiry_s - time.monotonic()) * 1000) + 1)
 
     def _tick(self, now_s: float) -> None:
-        self._apply(self._matcher.expire(now_s))
+        self._apply(self._matcher.expire())
         super()._tick(now_s)
 
     def _pending_addresses(self) -> set[str]:

@@ -13,7 +13,7 @@ import pytest
 
 from kvpush.transfer.harness import Side
 from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.wire import Compat, TransferKey
+from kvpush.transfer.wire import TransferKey
 from tests.transfer.conftest import (
     COMPAT,
     SPEC,
@@ -145,8 +145,18 @@ def test_restarted_decode_and_prefill_rehandshake(sides):
 @pytest.mark.parametrize(
     ("field", "decode_compat", "decode_spec", "message"),
     [
-        ("model", msgspec.structs.replace(COMPAT, model="other"), SPEC, "model: prefill='tiny' decode='other'"),
-        ("dtype", msgspec.structs.replace(COMPAT, dtype="bfloat16"), SPEC, "dtype: prefill='float16' decode="),
+        (
+            "model",
+            msgspec.structs.replace(COMPAT, model="other"),
+            SPEC,
+            "model: prefill='tiny' decode='other'",
+        ),
+        (
+            "dtype",
+            msgspec.structs.replace(COMPAT, dtype="bfloat16"),
+            SPEC,
+            "dtype: prefill='float16' decode=",
+        ),
         ("layout", COMPAT, spec(head_major=False), "prefill=head-major"),
     ],
 )
@@ -191,9 +201,7 @@ def _tp(rank: int, tp: int, heads: int = 4):
 def test_tp1_prefill_to_tp2_decode_splits_heads(sides):
     port = free_port()
     prefill = sides("prefill", prefill_config(port), _tp(0, 1))
-    decodes = [
-        sides("decode", decode_config(rank=r, tp_size=2), _tp(r, 2)) for r in range(2)
-    ]
+    decodes = [sides("decode", decode_config(rank=r, tp_size=2), _tp(r, 2)) for r in range(2)]
     check_tp(port, [prefill], decodes, prefill_tp=1)
 
 

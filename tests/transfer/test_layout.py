@@ -131,5 +131,7 @@ def test_bad_block_ids_are_refused_with_the_limit():
     (2, 8, 2, [{0: range(0, 1)}, {4: range(1, 2)}]),  # replicated prefill heads: one writer
 ])  # fmt: skip
 def test_which_prefill_rank_writes_which_heads(decode_tp, prefill_tp, heads, want):
-    got = [writer_heads(rank_heads(d, decode_tp, heads), prefill_tp, heads) for d in range(decode_tp)]
+    got = [
+        writer_heads(rank_heads(d, decode_tp, heads), prefill_tp, heads) for d in range(decode_tp)
+    ]
     assert got == want

@@ -8,16 +8,12 @@ import uuid
 import numpy as np
 import pytest
 
-from kvpush.transfer.harness import Side
 from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.wire import TransferKey
 from tests.transfer.conftest import (
     SPEC,
     assert_idle,
-    decode_config,
     free_port,
-    prefill_config,
-    spec,
     wait_for,
 )
 from tests.transfer.reference import expected_after_push

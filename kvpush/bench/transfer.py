@@ -1,0 +1,227 @@
+"""`kvpush bench transfer`: push vs a pull baseline vs a raw NIXL WRITE, over DRAM.
+
+Four child processes per block size: a prefill and a decode endpoint (the push path), and
+two raw NIXL agents (the pull baseline and the raw WRITE). Per grid point, medians of
+several repeats:
+- push_ms: prefill hands its blocks over (both sides ready: decode registered first) until
+  the WRITE completed and the blocks may be freed; measured inside the prefill process;
+- pull_ms: decode learns the block ids, builds descriptors on its caller thread, posts a
+  READ and polls it to completion, as a pull connector does after prefill;
+- raw_write_ms: one WRITE of the same bytes with descriptors built beforehand;
+- descs: descriptors posted; caller_blocked_ms: how long the caller's thread was held
+  (push: enqueue only; pull: descriptor build and post).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvpush.transfer.harness import LayoutSpec, Side
+
+KIB = 1024
+FULL_GRID = {"block_bytes": [4 * KIB, 64 * KIB, 1024 * KIB], "num_blocks": [1, 16, 256, 4096]}
+QUICK_GRID = {"block_bytes": [4 * KIB, 1024 * KIB], "num_blocks": [1, 64]}
+MAX_POINT_BYTES = 256 * 1024 * KIB  # skip points above this: DRAM on a 2-core, 24 GiB host
+TOKENS_PER_BLOCK = 16
+
+
+def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
+    from kvpush.transfer.agent import Agent
+    from kvpush.transfer.harness import fill_pattern
+    from kvpush.transfer.layout import plan_copies
+
+    arrays = fill_pattern(spec, seed)
+    layout = spec.build(arrays)
+    agent = Agent(name)
+    agent.register(layout)
+    conn.send((agent.metadata(), layout))
+    while True:
+        if not conn.poll(0.001):
+            agent.notifs()  # the passive side must make progress on TCP
+            continue
+        cmd, args = conn.recv()
+        if cmd == "close":
+            agent.close()
+            return
+        if cmd == "add_remote":
+            conn.send(agent.add_remote(args))
+            continue
+        op, remote, remote_layout, src_ids, dst_ids, num_tokens = args
+        t0 = time.perf_counter()
+        if op == "READ":  # pull: the remote holds the source
+            plan = plan_copies(remote_layout, layout, src_ids, dst_ids, 0, num_tokens)
+            remote_descs, local_descs = plan.descs(0, 0)
+        else:
+            plan = plan_copies(layout, remote_layout, src_ids, dst_ids, 0, num_tokens)
+            local_descs, remote_descs = plan.descs(0, 0)
+        t_built = time.perf_counter()
+        if op == "WRITE":
+            t0 = t_built  # raw WRITE: descriptors are prepared ahead, not timed
+        handle, state = agent.post(op, remote, local_descs, remote_descs, "DRAM", "DRAM")
+        t_posted = time.perf_counter()
+        while state == "PROC":
+            state = agent.state(handle)
+        t_done = time.perf_counter()
+        agent.release(handle)
+        conn.send(
+            {
+                "ok": state == "DONE",
+                "total_ms": (t_done - t0) * 1e3,
+                "caller_blocked_ms": (t_posted - t0) * 1e3,
+                "descs": plan.num_descs,
+            }
+        )
+
+
+class RawSide:
+    def __init__(self, spec: LayoutSpec, seed: int, name: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_child, args=(child, spec, seed, name), daemon=True)
+        self.proc.start()
+        self.metadata, self.layout = self.conn.recv()
+
+    def call(self, cmd: str, args: Any) -> Any:
+        self.conn.send((cmd, args))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(("close", None))
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _block_ids(num_blocks: int, pattern: str) -> list[int]:
+    step = 2 if pattern == "fragmented" else 1
+    return list(range(0, num_blocks * step, step))
+
+
+def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[dict]:
+    from kvpush.transfer.endpoint import TransferConfig
+    from kvpush.transfer.receiver import PrefillAddress
+    from kvpush.transfer.wire import Compat, TransferKey
+
+    counts = [n for n in counts if n * block_bytes <= MAX_POINT_BYTES]
+    if not counts:
+        return []
+    spec = LayoutSpec(
+        num_blocks=2 * max(counts), block_size=TOKENS_PER_BLOCK, num_heads=1,
+        head_bytes=block_bytes // TOKENS_PER_BLOCK, num_regions=1,
+    )  # fmt: skip
+    compat = Compat("push", "bench", "uint8", "bench")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = TransferConfig("bench-prefill", compat, side_channel_port=port)
+    prefill = Side("prefill", cfg, spec, seed=1)
+    decode = Side("decode", replace(cfg, engine_id="bench-decode", side_channel_port=0), spec)
+    raw_p, raw_d = RawSide(spec, 1, "raw-prefill"), RawSide(spec, 2, "raw-decode")
+    raw_d_name = raw_p.call("add_remote", raw_d.metadata)
+    raw_p_name = raw_d.call("add_remote", raw_p.metadata)
+    address = PrefillAddress("127.0.0.1", port)
+    rows = []
+    try:
+        for pattern in ("contiguous", "fragmented"):
+            for n in counts:
+                ids, tokens = _block_ids(n, pattern), n * TOKENS_PER_BLOCK
+                runs: dict[str, list[float]] = {}
+                for r in range(repeats + 1):  # the first run warms connections up
+                    key = TransferKey(uuid.uuid4().hex)
+                    fd = decode.call("expect", key, address, ids, tokens)
+                    while prefill.call("gauges")["pending_match"] < 1:
+                        time.sleep(0.0005)
+                    fp, blocked_s = prefill.call("timed", "push", key, ids, tokens)
+                    out_p, out_d = prefill.wait(fp), decode.wait(fd)
+                    assert out_p.ok and out_d.ok, (out_p, out_d)
+                    pull = raw_d.call("op", ("READ", raw_p_name, raw_p.layout, ids, ids, tokens))
+                    write = raw_p.call("op", ("WRITE", raw_d_name, raw_d.layout, ids, ids, tokens))
+                    assert pull["ok"] and write["ok"]
+                    if r == 0:
+                        continue
+                    sample = {
+                        "push_ms": out_p.elapsed_s * 1e3,
+                        "push_caller_blocked_ms": blocked_s * 1e3,
+                        "pull_ms": pull["total_ms"],
+                        "pull_caller_blocked_ms": pull["caller_blocked_ms"],
+                        "raw_write_ms": write["total_ms"],
+                    }
+                    for name, value in sample.items():
+                        runs.setdefault(name, []).append(value)
+                row = {
+                    "block_bytes": block_bytes, "num_blocks": n, "pattern": pattern,
+                    "num_bytes": n * block_bytes, "push_descs": out_p.num_descs,
+                    "pull_descs": pull["descs"], "repeats": repeats,
+                } | {f"{k}_median": statistics.median(v) for k, v in runs.items()}  # fmt: skip
+                row["push_gbps"] = row["num_bytes"] / row["push_ms_median"] / 1e6
+                rows.append(row)
+                _print_row(row)
+    finally:
+        for side in (prefill, decode):
+            side.close()
+        for raw in (raw_p, raw_d):
+            raw.close()
+    return rows
+
+
+HEADER = (
+    f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'pull ms':>8} {'raw ms':>8} "
+    f"{'descs':>5} {'push blk ms':>11} {'pull blk ms':>11} {'GB/s':>6}"
+)
+
+
+def _print_row(r: dict) -> None:
+    print(
+        f"{r['block_bytes'] // KIB:>6}K {r['num_blocks']:>6} {r['pattern']:>10} "
+        f"{r['push_ms_median']:>8.2f} {r['pull_ms_median']:>8.2f} {r['raw_write_ms_median']:>8.2f} "
+        f"{r['push_descs']:>5} {r['push_caller_blocked_ms_median']:>11.3f} "
+        f"{r['pull_caller_blocked_ms_median']:>11.3f} {r['push_gbps']:>6.2f}",
+        flush=True,
+    )
+
+
+def main(quick: bool = False, out: Path | None = None) -> int:
+    grid = QUICK_GRID if quick else FULL_GRID
+    repeats = 3 if quick else 5
+    print(f"kvpush bench transfer ({'quick' if quick else 'full'}): DRAM over NIXL/UCX, "
+          f"medians of {repeats} runs", flush=True)  # fmt: skip
+    print(HEADER, flush=True)
+    rows: list[dict] = []
+    for block_bytes in grid["block_bytes"]:
+        rows += _run_block_size(block_bytes, grid["num_blocks"], repeats)
+    result = {
+        "benchmark": "transfer",
+        "quick": quick,
+        "memory": "DRAM",
+        "backend": "UCX",
+        "host": {
+            "machine": platform.machine(),
+            "cpus": _cpu_count(),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+        },
+        "created_unix_s": int(time.time()),
+        "rows": rows,
+    }
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+    return 0
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))

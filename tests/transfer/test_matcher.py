@@ -1,0 +1,137 @@
+"""The prefill side's pairing state machine, event by event (no I/O)."""
+
+from __future__ import annotations
+
+from kvpush.transfer.matcher import Matcher, Release, Reply, Source, Write
+from kvpush.transfer.wire import RegisterMsg, TransferKey
+
+KEY = TransferKey("t", 0)
+SRC = Source([1, 2], 32)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def reg(key=KEY, cached=0, ranks=1, blocks=(5, 6)):
+    return RegisterMsg(key, list(blocks), 32, cached, (0, 2), ranks)
+
+
+def kinds(actions):
+    return [type(a).__name__ + (f":{a.kind}" if isinstance(a, Reply) else "") for a in actions]
+
+
+def test_registration_first_then_source_writes_then_releases():
+    m = Matcher(lease_s=30)
+    assert m.register("d", reg()) == []
+    (write,) = m.source_ready(KEY, SRC)
+    assert isinstance(write, Write) and write.peer == "d"
+    assert m.num_in_flight == 1
+    (release,) = m.write_done(KEY, "d", ok=True)
+    assert release == Release(KEY, True)
+    assert not m.has_pending()
+
+
+def test_source_first_then_registration():
+    m = Matcher(lease_s=30)
+    assert m.source_ready(KEY, SRC) == []
+    assert kinds(m.register("d", reg())) == ["Write"]
+
+
+def test_source_waits_for_every_decode_rank():
+    m = Matcher(lease_s=30)
+    m.source_ready(KEY, SRC)
+    m.register("d0", reg(ranks=2))
+    assert m.write_done(KEY, "d0", ok=True) == []  # d1 still owed
+    m.register("d1", reg(ranks=2))
+    assert kinds(m.write_done(KEY, "d1", ok=True)) == ["Release"]
+
+
+def test_resent_registration_replaces_the_unwritten_one():
+    m = Matcher(lease_s=30)
+    m.register("d", reg(blocks=(1, 2)))
+    m.register("d", reg(blocks=(7, 8)))
+    (write,) = m.source_ready(KEY, SRC)
+    assert write.reg.block_ids == [7, 8]
+
+
+def test_late_registration_and_cancel_for_an_ended_key_are_answered_at_once():
+    m = Matcher(lease_s=30)
+    m.source_ready(KEY, SRC)
+    m.register("d", reg())
+    m.write_done(KEY, "d", ok=True)
+    (fail,) = m.register("d", reg())
+    assert fail.kind == "fail" and "already ended" in fail.reason
+    assert kinds(m.cancel("d", KEY)) == ["Reply:ack"]
+    assert not m.has_pending()
+
+
+def test_cancel_before_write_acks_and_a_later_source_is_freed_at_once():
+    m = Matcher(lease_s=30)
+    m.register("d", reg())
+    assert kinds(m.cancel("d", KEY)) == ["Reply:ack"]
+    (release,) = m.source_ready(KEY, SRC)  # recorded as cancelled
+    assert not release.ok and "cancelled" in release.reason
+
+
+def test_cancel_during_write_is_acked_after_the_write():
+    m = Matcher(lease_s=30)
+    m.register("d", reg())
+    m.source_ready(KEY, SRC)
+    assert m.cancel("d", KEY) == []
+    assert kinds(m.write_done(KEY, "d", ok=True)) == ["Reply:ack", "Release"]
+
+
+def test_full_prefix_hit_answers_done_and_frees_with_the_source():
+    m = Matcher(lease_s=30)
+    assert kinds(m.register("d", reg(cached=32))) == ["Reply:done"]
+    assert m.source_ready(KEY, SRC) == [Release(KEY, True)]
+
+
+def test_lease_expires_either_side_and_records_expire_after_a_lease():
+    clock = Clock()
+    m = Matcher(lease_s=10, clock=clock)
+    m.source_ready(TransferKey("a"), SRC)
+    m.register("d", reg(key=TransferKey("b")))
+    clock.now_s = 5.0
+    assert m.expire() == []
+    clock.now_s = 10.5
+    actions = m.expire()
+    assert kinds(actions) == ["Release", "Reply:fail"]
+    assert "never registered" in actions[0].reason
+    assert "never finished" in actions[1].reason
+    assert m.num_records == 2 and not m.has_pending()
+    clock.now_s = 21.0
+    m.expire()
+    assert m.num_records == 0
+
+
+def test_failed_write_fails_decode_and_releases():
+    m = Matcher(lease_s=30)
+    m.register("d", reg())
+    m.source_ready(KEY, SRC)
+    assert kinds(m.write_done(KEY, "d", ok=False, reason="boom")) == ["Reply:fail", "Release"]
+
+
+def test_dead_peer_releases_its_sources_but_not_others():
+    m = Matcher(lease_s=30)
+    other = TransferKey("other")
+    m.register("d", reg())
+    m.register("e", reg(key=other))
+    m.source_ready(KEY, SRC)
+    m.source_ready(other, SRC)
+    actions = m.peer_dead("d", "dead")
+    assert [a.key for a in actions if isinstance(a, Release)] == [KEY]
+    assert m.has_pending()
+
+
+def test_abort_fails_the_registered_decode_and_records_the_key():
+    m = Matcher(lease_s=30)
+    m.register("d", reg())
+    assert kinds(m.abort(KEY, "prefill aborted")) == ["Reply:fail"]
+    (fail,) = m.register("d", reg())
+    assert "prefill aborted" in fail.reason
