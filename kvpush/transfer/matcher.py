@@ -128,7 +128,9 @@ class Matcher:
 
     def cancel(self, peer: str, key: TransferKey) -> list[Action]:
         p = self._pending.get(key)
-        if p is None:
+        if p is None:  # cancelled before it registered: a later source is freed at once
+            if key not in self._records:
+                self._record(key, "cancelled by decode")
             return [Reply(peer, "ack", key)]
         if peer in p.writing:
             p.cancel_after_write.add(peer)

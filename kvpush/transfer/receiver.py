@@ -2,8 +2,9 @@
 
 `expect()` registers a request's blocks with every prefill rank that holds some of this
 rank's KV heads, and resolves once each of them has written (one NIXL notification per
-prefill rank). `cancel()` resolves only when no prefill rank can still write into the
-blocks: until then they are quarantined.
+prefill rank). A failure resolves it too, but only once no prefill rank can still write:
+the others are cancelled and acknowledged first. `cancel()` likewise resolves only when no
+prefill rank can write into the blocks: until then they are quarantined.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
@@ -28,6 +29,7 @@ class PrefillAddress:
     host: str
     base_port: int
     tp_size: int = 1
+    engine_id: str | None = None  # when given, the handshake checks it
 
     def __post_init__(self) -> None:
         if not self.host or not 0 < self.base_port < 65536 or self.tp_size < 1:
@@ -47,7 +49,6 @@ class _Expected:
     rank_address: dict[int, str]
     cancel: Future | None = None
     failure: str = ""
-    notes: list[str] = field(default_factory=list)
 
 
 class DecodeEndpoint(Endpoint):
@@ -56,6 +57,7 @@ class DecodeEndpoint(Endpoint):
     def __init__(self, config, layout) -> None:  # type: ignore[no-untyped-def]
         self._expected: dict[wire.TransferKey, _Expected] = {}
         self._hello_sent: set[str] = set()
+        self._engine_ids: dict[str, str] = {}  # prefill address -> engine id the router named
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -74,9 +76,11 @@ class DecodeEndpoint(Endpoint):
             self._on_expect, key, prefill, list(block_ids), num_tokens, num_cached_tokens
         )
 
-    def cancel(self, key: wire.TransferKey) -> Future:
-        """Give the blocks up. Resolves when no prefill rank can still write into them."""
-        return self._call(self._on_cancel, key)
+    def cancel(self, key: wire.TransferKey, prefill: PrefillAddress | None = None) -> Future:
+        """Give the blocks up. Resolves when no prefill rank can still write into them.
+
+        With `prefill`, a key that was never registered is cancelled there too."""
+        return self._call(self._on_cancel, key, prefill)
 
     # -- loop thread --------------------------------------------------------------------
     def _on_expect(
@@ -91,7 +95,7 @@ class DecodeEndpoint(Endpoint):
             raise ValueError(f"transfer {key} is already expected")
         if not 0 <= num_cached <= num_tokens:
             raise ValueError(f"num_cached_tokens {num_cached} not in 0..{num_tokens}")
-        need = -(-num_tokens // self.layout.block_size)
+        need = -(-num_tokens // self.layout.block_size) if num_cached < num_tokens else 0
         if len(block_ids) < need:
             raise ValueError(f"{num_tokens} tokens need {need} blocks, got {len(block_ids)}")
         quarantined = self._num_quarantined()
@@ -114,6 +118,8 @@ class DecodeEndpoint(Endpoint):
             exp.rank_address[p_rank] = address
             exp.remaining.add(address)
             exp.unsent[address] = reg
+            if prefill.engine_id is not None:
+                self._engine_ids[address] = prefill.engine_id
         self._expected[key] = exp
         for address in list(exp.unsent):
             self._flush(address)
@@ -136,9 +142,16 @@ class DecodeEndpoint(Endpoint):
             if reg is not None:
                 self._send(link, reg)
 
-    def _on_cancel(self, key: wire.TransferKey) -> Future:
+    def _on_cancel(self, key: wire.TransferKey, prefill: PrefillAddress | None) -> Future:
         exp = self._expected.get(key)
         if exp is None:
+            # Never registered: tell the prefill ranks anyway, so they free their blocks
+            # now rather than at the lease. Nothing of ours can be written.
+            if prefill is not None:
+                assert self.channel is not None
+                for rank in range(prefill.tp_size):
+                    link = self.channel.link(prefill.rank_address(rank))
+                    self._send(link, wire.CancelMsg(key))
             return resolved(Outcome(True, "nothing to cancel"))
         if exp.cancel is not None:
             return exp.cancel
@@ -170,6 +183,16 @@ class DecodeEndpoint(Endpoint):
                     exp.unsent.pop(link.address)
                     self._complete(key, link.address, f"handshake refused: {ack.error}")
             return
+        named = self._engine_ids.get(link.address)
+        if named is not None and named != ack.peer.engine_id:
+            why = (
+                f"wrong prefill engine at {link.address}: the router named {named!r}, "
+                f"it is {ack.peer.engine_id!r}"
+            )
+            for key, exp in list(self._expected.items()):
+                if exp.unsent.pop(link.address, None) is not None:
+                    self._complete(key, link.address, why)
+            return
         link.peer, link.dropped = ack.peer, False
         self._flush(link.address)
 
@@ -198,12 +221,9 @@ class DecodeEndpoint(Endpoint):
 
     def _end(self, key: wire.TransferKey, exp: _Expected, failure: str) -> None:
         """Fail or finish the transfer; forget it once no prefill rank can still write."""
-        exp.failure = exp.failure or failure
-        if not exp.future.done() and (failure or not exp.remaining):
-            elapsed = time.monotonic() - exp.started_s
-            exp.future.set_result(Outcome(not failure, failure, elapsed_s=elapsed))
-            if failure:
-                log.warning("decode: transfer %s failed: %s", key, failure)
+        if failure and not exp.failure:
+            exp.failure = failure
+            log.warning("decode: transfer %s failed: %s", key, failure)
         if failure and exp.cancel is None:
             # Failed: prefill ranks that have not answered yet are told to stand down.
             exp.cancel = Future()
@@ -213,8 +233,11 @@ class DecodeEndpoint(Endpoint):
                     exp.remaining.discard(address)
                 else:
                     self._send(self.channel.link(address), wire.CancelMsg(key))
-        if not exp.remaining:
+        if not exp.remaining:  # no prefill rank can write any more: resolve
             del self._expected[key]
+            elapsed = time.monotonic() - exp.started_s
+            if not exp.future.done():
+                exp.future.set_result(Outcome(not exp.failure, exp.failure, elapsed_s=elapsed))
             if exp.cancel is not None and not exp.cancel.done():
                 exp.cancel.set_result(Outcome(True, "blocks released"))
 
