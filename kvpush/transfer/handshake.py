@@ -10,6 +10,7 @@ address is caught by its new instance id on the first message it sends.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -64,10 +65,8 @@ class SideChannel:
 
     def wake(self) -> None:
         """Any thread may call this to end the loop thread's poll early."""
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass
 
     def link(self, address: str) -> Link:
         link = self.links.get(address)

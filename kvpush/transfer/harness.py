@@ -6,6 +6,7 @@ separate processes with separate NIXL agents, as they are in production.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -166,10 +167,8 @@ class Side:
 
     def close(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(RuntimeError, TimeoutError, OSError, EOFError):
                 self.call("close", timeout_s=15)
-            except (RuntimeError, TimeoutError, OSError, EOFError):
-                pass
             self.proc.join(timeout=10)
         self.kill()
 
