@@ -44,6 +44,7 @@ class TransferConfig:
     dead_after_s: float = 5.0  # a peer silent this long with its connection gone is dead
     heartbeat_s: float = 1.0  # sent to each peer that shares pending transfers
     max_quarantined_blocks: int = 1_000_000  # decode refuses new transfers beyond this
+    debug_checksum: bool = False  # both sides hash every transferred token; DRAM only
 
     def __post_init__(self) -> None:
         if not self.engine_id:

@@ -33,18 +33,25 @@ class LayoutSpec:
     num_regions: int = 2
     first_head: int = 0
     total_heads: int = 0
+    num_parts: int = 1
+    dim_major_parts: tuple[int, ...] = ()
+    elem_bytes: int = 1
 
     def build(self, arrays: list[np.ndarray]) -> KVLayout:
-        stride = self.block_size * self.num_heads * self.head_bytes
-        regions = tuple(RegionSpec(a.ctypes.data, stride) for a in arrays)
+        regions = tuple(RegionSpec(a.ctypes.data, self.block_bytes) for a in arrays)
         return KVLayout(
             regions, self.num_blocks, self.block_size, self.num_heads, self.head_bytes,
-            self.head_major, self.first_head, self.total_heads,
+            self.head_major, self.first_head, self.total_heads, num_parts=self.num_parts,
+            dim_major_parts=self.dim_major_parts, elem_bytes=self.elem_bytes,
         )  # fmt: skip
 
     @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.num_heads * self.num_parts * self.head_bytes
+
+    @property
     def region_num_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.num_heads * self.head_bytes
+        return self.num_blocks * self.block_bytes
 
 
 def fill_pattern(spec: LayoutSpec, seed: int) -> list[np.ndarray]:

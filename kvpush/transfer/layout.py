@@ -3,7 +3,10 @@
 A rank holds `num_heads` KV heads (global heads `first_head ..`) in one or more registered
 regions (one per layer, or one each for K and V). Every region holds `num_blocks` blocks,
 `block_stride_bytes` apart; inside a block the bytes are either head-major
-([head][token][head_bytes]) or token-major ([token][head][head_bytes]).
+([head][part][token][head_bytes]) or token-major ([token][head][head_bytes]). `num_parts`
+is 2 where K and V share a block head by head, else 1. A part listed in `dim_major_parts`
+stores its elements dimension by dimension ([dim][token]): vLLM's CPU backend keeps K that
+way and V token by token, so its block is [head][K: dim x token][V: token x dim].
 
 `plan_copies` turns "tokens [start, end) of these prefill blocks go to these decode blocks"
 into (src, dst, len) byte ranges, merged wherever both sides are contiguous.
@@ -11,6 +14,8 @@ into (src, dst, len) byte ranges, merged wherever both sides are contiguous.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 from dataclasses import dataclass
 
 import msgspec
@@ -33,6 +38,9 @@ class KVLayout(msgspec.Struct, frozen=True):
     total_heads: int = 0  # KV heads of the whole model (0: same as num_heads)
     mem_type: str = "DRAM"  # "DRAM" or "VRAM"
     dev_id: int = 0
+    num_parts: int = 1  # head-major only: K and V side by side inside each head
+    dim_major_parts: tuple[int, ...] = ()  # parts stored [dim][token]
+    elem_bytes: int = 1  # one element of a head vector (needed for dim-major parts)
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -40,6 +48,12 @@ class KVLayout(msgspec.Struct, frozen=True):
         for name in ("num_blocks", "block_size", "num_heads", "head_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_parts < 1 or (self.num_parts > 1 and not self.head_major):
+            raise ValueError(f"num_parts {self.num_parts} needs a head-major layout")
+        if any(not 0 <= p < self.num_parts for p in self.dim_major_parts):
+            raise ValueError(f"dim_major_parts {self.dim_major_parts} outside {self.num_parts}")
+        if self.head_bytes % self.elem_bytes:
+            raise ValueError(f"head_bytes {self.head_bytes} not a multiple of {self.elem_bytes}")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
         for r in self.regions:
@@ -59,7 +73,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def token_bytes(self) -> int:
-        return self.num_heads * self.head_bytes
+        return self.num_heads * self.num_parts * self.head_bytes
 
     @property
     def block_bytes(self) -> int:
@@ -71,7 +85,15 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     def shape_key(self) -> tuple:
         """What must agree between prefill and decode for data to be copyable at all."""
-        return (len(self.regions), self.head_bytes, self.heads_total, self.head_major)
+        return (
+            len(self.regions),
+            self.head_bytes,
+            self.heads_total,
+            self.head_major,
+            self.num_parts,
+            self.dim_major_parts,
+            self.elem_bytes if self.dim_major_parts else 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -134,12 +156,16 @@ def plan_copies(
     start_token: int,
     end_token: int,
     heads: range | None = None,
+    pad_tail: bool = False,
 ) -> CopyPlan:
     """Plan the WRITE of tokens [start_token, end_token) of `heads` from src to dst blocks.
 
     Block id lists cover tokens from position 0 in each side's own block size. Rows are
-    emitted region by region, token piece by piece, head by head, then merged where both
-    the source and the destination continue exactly where the previous row ended.
+    emitted region by region, token piece by piece, head by head, part by part, then merged
+    where both the source and the destination continue exactly where the previous row ended.
+    With `pad_tail` and equal block sizes, a partial last block is copied whole: its unused
+    slots belong to the same request on decode, which overwrites them before reading them,
+    and a whole block merges into far fewer descriptors.
     """
     if src.shape_key() != dst.shape_key():
         raise ValueError(f"layouts cannot be copied: {src.shape_key()} vs {dst.shape_key()}")
@@ -158,6 +184,9 @@ def plan_copies(
     empty = np.zeros(0, dtype=np.int64)
     if start_token == end_token:
         return CopyPlan(empty, empty, empty)
+    bs = src.block_size
+    if pad_tail and bs == dst.block_size and end_token % bs:
+        end_token = end_token - end_token % bs + bs
 
     # Token pieces that sit inside one source block and one destination block.
     cuts = {start_token, end_token}
@@ -175,13 +204,24 @@ def plan_copies(
         s_blk = rs.base_addr + src_blk * rs.block_stride_bytes
         d_blk = rd.base_addr + dst_blk * rd.block_stride_bytes
         if src.head_major:
-            # One row per (piece, head): [head][token] inside each block.
-            h = np.arange(heads.start, heads.stop, dtype=np.int64)
-            s = s_blk[:, None] + ((h - src.first_head) * src.block_size)[None, :] * hb
-            d = d_blk[:, None] + ((h - dst.first_head) * dst.block_size)[None, :] * hb
-            s = s + (src_off * hb)[:, None]
-            d = d + (dst_off * hb)[:, None]
-            n = np.broadcast_to((ntok * hb)[:, None], s.shape)
+            # Rows per piece: for each (head, part), one row, or one per dimension when the
+            # part is stored [dim][token].
+            cols_s, cols_d, cols_n = [], [], []
+            for h in heads:
+                for part in range(src.num_parts):
+                    s0 = s_blk + ((h - src.first_head) * src.num_parts + part) * src.block_size * hb
+                    d0 = d_blk + ((h - dst.first_head) * dst.num_parts + part) * dst.block_size * hb
+                    if part in src.dim_major_parts:
+                        eb = src.elem_bytes
+                        dims = np.arange(hb // eb, dtype=np.int64)[None, :]
+                        cols_s.append(s0[:, None] + (dims * src.block_size + src_off[:, None]) * eb)
+                        cols_d.append(d0[:, None] + (dims * dst.block_size + dst_off[:, None]) * eb)
+                        cols_n.append(np.broadcast_to((ntok * eb)[:, None], cols_s[-1].shape))
+                    else:
+                        cols_s.append((s0 + src_off * hb)[:, None])
+                        cols_d.append((d0 + dst_off * hb)[:, None])
+                        cols_n.append((ntok * hb)[:, None])
+            s, d, n = (np.concatenate(c, axis=1) for c in (cols_s, cols_d, cols_n))
         else:
             # One row per (token, piece): [token][head] inside each block; a row covers `heads`.
             tok = np.concatenate([np.arange(k) for k in ntok]) if len(ntok) else empty
@@ -199,3 +239,35 @@ def plan_copies(
     starts[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1]) | (reg[1:] != reg[:-1])
     idx = np.flatnonzero(starts)
     return CopyPlan(s[idx], d[idx], np.add.reduceat(n, idx))
+
+
+def digest(layout: KVLayout, block_ids: list[int], start: int, end: int, heads: range) -> bytes:
+    """Hash tokens [start, end) of `heads` in an order no layout changes (region, token, head,
+    part), so prefill and decode can compare what was sent with what landed. DRAM only."""
+    if layout.mem_type != "DRAM":
+        raise ValueError("checksums read host memory; this layout is in VRAM")
+    h = hashlib.sha256()
+    if start >= end:
+        return h.digest()
+    hb, bs, parts, eb = layout.head_bytes, layout.block_size, layout.num_parts, layout.elem_bytes
+    t = np.arange(start, end, dtype=np.int64)
+    # Byte offset of every (token, head, part, element byte) inside its block, in that order.
+    blk = np.asarray(block_ids, dtype=np.int64)[t // bs].reshape(-1, 1, 1, 1)
+    pos = (t % bs).reshape(-1, 1, 1, 1)
+    head = np.arange(heads.start, heads.stop, dtype=np.int64).reshape(1, -1, 1, 1)
+    head = head - layout.first_head
+    part = np.arange(parts, dtype=np.int64).reshape(1, 1, -1, 1)
+    byte = np.arange(hb, dtype=np.int64).reshape(1, 1, 1, -1)
+    if layout.head_major:
+        base = (head * parts + part) * bs * hb
+        dim_major = np.isin(part, layout.dim_major_parts)
+        by_dim = base + (byte // eb * bs + pos) * eb + byte % eb
+        inner = np.where(dim_major, by_dim, base + pos * hb + byte)
+    else:
+        inner = (pos * layout.num_heads + head) * hb + byte
+    for region in layout.regions:
+        mem = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * layout.region_num_bytes).from_address(region.base_addr)
+        )
+        h.update(mem[(blk * region.block_stride_bytes + inner).reshape(-1)].tobytes())
+    return h.digest()

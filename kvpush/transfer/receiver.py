@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.handshake import Link
-from kvpush.transfer.layout import rank_heads, writer_heads
+from kvpush.transfer.layout import digest, rank_heads, writer_heads
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class _Expected:
     unsent: dict[str, wire.RegisterMsg]  # by prefill address: waiting for its handshake
     remaining: set[str]  # prefill addresses that have not completed
     rank_address: dict[int, str]
+    registrations: dict[int, wire.RegisterMsg]  # by prefill rank
     cancel: Future | None = None
     failure: str = ""
 
@@ -58,6 +59,7 @@ class DecodeEndpoint(Endpoint):
         self._expected: dict[wire.TransferKey, _Expected] = {}
         self._hello_sent: set[str] = set()
         self._engine_ids: dict[str, str] = {}  # prefill address -> engine id the router named
+        self.counters = {"checksums_ok": 0, "checksum_mismatches": 0}
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -109,13 +111,14 @@ class DecodeEndpoint(Endpoint):
         for d in range(decode_tp):
             for p in writer_heads(rank_heads(d, decode_tp, total), prefill.tp_size, total):
                 counts[p] = counts.get(p, 0) + 1
-        exp = _Expected(Future(), len(block_ids), time.monotonic(), {}, set(), {})
+        exp = _Expected(Future(), len(block_ids), time.monotonic(), {}, set(), {}, {})
         for p_rank, heads in plan.items():
             address = prefill.rank_address(p_rank)
             reg = wire.RegisterMsg(
                 key, block_ids, num_tokens, num_cached, (heads.start, heads.stop), counts[p_rank]
             )
             exp.rank_address[p_rank] = address
+            exp.registrations[p_rank] = reg
             exp.remaining.add(address)
             exp.unsent[address] = reg
             if prefill.engine_id is not None:
@@ -206,10 +209,27 @@ class DecodeEndpoint(Endpoint):
                     continue
                 exp = self._expected.get(written.key)
                 address = exp.rank_address.get(written.prefill_rank) if exp else None
-                if address is None:
+                if exp is None or address is None:
                     log.warning("decode: notification for unknown transfer %s", written.key)
                     continue
-                self._complete(written.key, address, "")
+                self._complete(written.key, address, self._verify(exp, written))
+
+    def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> str:
+        """debug_checksum: compare what landed with what prefill hashed; '' when equal."""
+        if not self.config.debug_checksum:
+            return ""
+        reg = exp.registrations[written.prefill_rank]
+        landed = digest(self.layout, reg.block_ids, reg.num_cached_tokens, reg.num_tokens,
+                        range(*reg.heads))  # fmt: skip
+        if landed == written.digest:
+            self.counters["checksums_ok"] += 1
+            log.info("decode: checksum ok for %s from prefill rank %d", written.key,
+                     written.prefill_rank)  # fmt: skip
+            return ""
+        self.counters["checksum_mismatches"] += 1
+        log.error("decode: checksum mismatch for %s from prefill rank %d", written.key,
+                  written.prefill_rank)  # fmt: skip
+        return f"checksum mismatch for data from prefill rank {written.prefill_rank}"
 
     def _complete(self, key: wire.TransferKey, address: str, failure: str) -> None:
         """One prefill rank is done with `key`: written, acknowledged or failed."""

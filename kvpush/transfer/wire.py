@@ -49,8 +49,11 @@ class Compat(msgspec.Struct, frozen=True):
 
 def layout_kind(layout: KVLayout) -> str:
     order = "head-major" if layout.head_major else "token-major"
+    parts = f"/{layout.num_parts} parts" if layout.num_parts > 1 else ""
+    if layout.dim_major_parts:
+        parts += f" (dim-major: {','.join(map(str, layout.dim_major_parts))})"
     return (
-        f"{order}/{len(layout.regions)} regions/{layout.head_bytes} B per head-token/"
+        f"{order}{parts}/{len(layout.regions)} regions/{layout.head_bytes} B per head-token/"
         f"{layout.heads_total} KV heads"
     )
 
@@ -132,6 +135,7 @@ class WrittenMsg(msgspec.Struct, array_like=True):
 
     key: TransferKey
     prefill_rank: int
+    digest: bytes = b""  # debug_checksum: layout.digest() of what prefill sent
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
-from kvpush.transfer.layout import KVLayout, plan_copies
+from kvpush.transfer.layout import KVLayout, digest, plan_copies
 from kvpush.transfer.matcher import Action, Matcher, Release, Reply, Source, Write
 
 log = logging.getLogger(__name__)
@@ -171,10 +171,14 @@ class PrefillEndpoint(Endpoint):
                 )
             plan = plan_copies(
                 self.layout, peer.layout, w.source.block_ids, reg.block_ids,
-                reg.num_cached_tokens, reg.num_tokens, heads,
+                reg.num_cached_tokens, reg.num_tokens, heads, pad_tail=True,
             )  # fmt: skip
             src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
-            notif = wire.encode(wire.WrittenMsg(w.key, self.config.rank))
+            sent = b""
+            if self.config.debug_checksum:
+                sent = digest(self.layout, w.source.block_ids, reg.num_cached_tokens,
+                              reg.num_tokens, heads)  # fmt: skip
+            notif = wire.encode(wire.WrittenMsg(w.key, self.config.rank, sent))
             handle, state = self.agent.post(
                 "WRITE", peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type,
                 notif,

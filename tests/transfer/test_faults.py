@@ -24,7 +24,7 @@ from tests.transfer.conftest import (
     spec,
     wait_for,
 )
-from tests.transfer.reference import expected_after_push
+from tests.transfer.reference import expected_after_push, padded_end
 
 
 def new_key() -> TransferKey:
@@ -230,8 +230,9 @@ def check_tp(port, prefills, decodes, prefill_tp):
             lo = max(p.spec.first_head, d.spec.first_head)
             hi = min(p.spec.first_head + p.spec.num_heads, d.spec.first_head + d.spec.num_heads)
             if lo < hi:
+                end = padded_end(p.spec, d.spec, 40)
                 want = expected_after_push(
-                    p_src, want, p.spec, d.spec, src_ids, dst_ids, 0, 40, range(lo, hi)
+                    p_src, want, p.spec, d.spec, src_ids, dst_ids, 0, end, range(lo, hi)
                 )
         for got, exp in zip(d.call("regions"), want, strict=True):
             assert np.array_equal(got, exp)

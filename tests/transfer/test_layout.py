@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvpush.transfer.harness import LayoutSpec, fill_pattern
-from kvpush.transfer.layout import plan_copies, rank_heads, writer_heads
+from kvpush.transfer.layout import digest, plan_copies, rank_heads, writer_heads
 from tests.transfer.reference import expected_after_push
 
 
@@ -33,15 +33,27 @@ def _region_of(layout, arrays, addr):
     return idx
 
 
-def check(src_spec, dst_spec, src_ids, dst_ids, start, end, heads=None):
+def check(src_spec, dst_spec, src_ids, dst_ids, start, end, heads=None, pad_tail=False):
     src = fill_pattern(src_spec, 7)
     dst = [np.full(dst_spec.region_num_bytes, 0xEE, np.uint8) for _ in range(dst_spec.num_regions)]
     # Fresh arrays keep their addresses for the plan and the apply step alike.
     src_layout, dst_layout = src_spec.build(src), dst_spec.build(dst)
     heads = heads or range(dst_spec.first_head, dst_spec.first_head + dst_spec.num_heads)
-    plan = plan_copies(src_layout, dst_layout, src_ids, dst_ids, start, end, heads)
+    plan = plan_copies(src_layout, dst_layout, src_ids, dst_ids, start, end, heads, pad_tail)
     got = apply(plan, src, dst, src_layout, dst_layout)
+    if pad_tail and src_spec.block_size == dst_spec.block_size:
+        end = -(-end // src_spec.block_size) * src_spec.block_size
     want = expected_after_push(src, dst, src_spec, dst_spec, src_ids, dst_ids, start, end, heads)
+    # What decode holds of [start, end) hashes the same as what prefill sent.
+    landed = dst_spec.build(got)
+    assert digest(src_layout, src_ids, start, end, heads) == digest(
+        landed, dst_ids, start, end, heads
+    )
+    assert (
+        digest(src_layout, src_ids, start, end, heads)
+        != digest(dst_layout, dst_ids, start, end, heads)
+        or start == end
+    ), "the digest cannot tell landed data from the sentinel"
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g, w)
     return plan
@@ -135,3 +147,38 @@ def test_which_prefill_rank_writes_which_heads(decode_tp, prefill_tp, heads, wan
         writer_heads(rank_heads(d, decode_tp, heads), prefill_tp, heads) for d in range(decode_tp)
     ]
     assert got == want
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(32, 32), (32, 64), (64, 32)])
+def test_k_and_v_side_by_side_in_each_head_as_vllm_cpu_lays_them(src_bs, dst_bs):
+    """vLLM's CPU backend: a block is [head][K tokens][V tokens]."""
+    src = replace(BASE, block_size=src_bs, num_parts=2, num_regions=4)
+    dst = replace(BASE, block_size=dst_bs, num_parts=2, num_regions=4)
+    n_src, n_dst = 192 // src_bs, 192 // dst_bs
+    plan = check(src, dst, list(range(n_src)), list(range(10, 10 + n_dst)), 40, 192)
+    assert plan.total_bytes == (192 - 40) * BASE.num_heads * 2 * BASE.head_bytes * 4
+    if src_bs == dst_bs:  # whole blocks merge across heads and parts
+        assert plan.num_descs <= (1 + 2 * 2) * 4  # the partial first block, then one run
+
+
+VLLM_CPU = replace(
+    BASE, head_bytes=16, elem_bytes=4, num_parts=2, dim_major_parts=(0,), num_regions=2
+)
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs", "start"), [(32, 32, 0), (32, 64, 0), (64, 32, 32),
+                                                         (32, 64, 40)])  # fmt: skip
+def test_k_stored_dimension_by_dimension_lands_exactly(src_bs, dst_bs, start):
+    """vLLM's CPU backend keeps K as [dim][token] and V as [token][dim] in each head."""
+    src, dst = replace(VLLM_CPU, block_size=src_bs), replace(VLLM_CPU, block_size=dst_bs)
+    plan = check(src, dst, list(range(192 // src_bs)), list(range(5, 5 + 192 // dst_bs)),
+                 start, 150)  # fmt: skip
+    assert plan.total_bytes == (150 - start) * 2 * 2 * 16 * 2
+
+
+def test_equal_block_sizes_copy_whole_blocks_when_padding_the_tail():
+    spec = replace(VLLM_CPU, block_size=32)
+    plan = check(spec, spec, [0, 1, 2], [7, 8, 9], 0, 70, pad_tail=True)
+    assert plan.num_descs == spec.num_regions  # three whole blocks, one run per region
+    unpadded = check(spec, spec, [0, 1, 2], [7, 8, 9], 0, 70)
+    assert unpadded.num_descs >= 10 * spec.num_regions  # K dim by dim in the partial tail

