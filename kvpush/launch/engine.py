@@ -7,6 +7,7 @@ and the OpenMP thread binding (automatic binding needs one NUMA node per rank).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -189,16 +190,12 @@ class Engine:
             except ProcessLookupError:
                 pass
         # Workers vLLM forked may outlive the API server: end the whole group.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self._log.close()
 
     def kill(self) -> None:
         """SIGKILL the whole engine at once, as a crash would."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()

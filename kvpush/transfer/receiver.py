@@ -255,6 +255,7 @@ class DecodeEndpoint(Endpoint):
                     self._send(self.channel.link(address), wire.CancelMsg(key))
         if not exp.remaining:  # no prefill rank can write any more: resolve
             del self._expected[key]
+            self._gauges = self._read_gauges()  # current before the caller sees it done
             elapsed = time.monotonic() - exp.started_s
             if not exp.future.done():
                 exp.future.set_result(Outcome(not exp.failure, exp.failure, elapsed_s=elapsed))

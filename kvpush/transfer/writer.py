@@ -78,6 +78,8 @@ class PrefillEndpoint(Endpoint):
             self._on_hello(link, msg)
         elif isinstance(msg, wire.HeartbeatMsg):
             pass
+        elif isinstance(msg, wire.CancelMsg):  # needs no handshake: it only frees
+            self._apply(self._matcher.cancel(peer, msg.key))
         elif peer not in self._peers or link.peer is None:
             key = getattr(msg, "key", None)
             if key is not None:
@@ -85,8 +87,6 @@ class PrefillEndpoint(Endpoint):
                 self._send(link, wire.FailMsg(key, reason))
         elif isinstance(msg, wire.RegisterMsg):
             self._apply(self._matcher.register(peer, msg))
-        elif isinstance(msg, wire.CancelMsg):
-            self._apply(self._matcher.cancel(peer, msg.key))
         else:
             log.warning("prefill: unexpected %s from %s", type(msg).__name__, peer)
 
@@ -149,6 +149,7 @@ class PrefillEndpoint(Endpoint):
         started = self._started.pop(r.key, time.monotonic())
         num_bytes, num_descs = self._stats.pop(r.key, (0, 0))
         future = self._futures.pop(r.key, None)
+        self._gauges = self._read_gauges()  # current before the caller sees the future done
         outcome = Outcome(r.ok, r.reason, num_bytes, num_descs, time.monotonic() - started)
         if not r.ok:
             log.warning("prefill: transfer %s failed: %s", r.key, r.reason)

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import PushMetadata
 from kvpush.vllm.scheduler import PushScheduler
+from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
 from kvpush.vllm.worker import PushWorker
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,27 @@ class KVPushConnector(KVConnectorBase_V1):
             log.exception("kvpush: collecting transfer results failed")
             return KVConnectorTransferResults()
         return KVConnectorTransferResults(sending, recving, failed)
+
+    def get_kv_connector_stats(self) -> KVPushStats | None:
+        try:
+            return self._worker.take_stats() if self._worker is not None else None
+        except Exception:
+            log.exception("kvpush: collecting stats failed")
+            return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPushStats:
+        return KVPushStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPushPromMetrics:
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -15,6 +15,7 @@ from kvpush.transfer.endpoint import TransferConfig
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.kvlayout import layout_from_kv_caches
+from kvpush.vllm.stats import GAUGES, KVPushStats
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class PushWorker:
         self._futures: dict[str, Future] = {}  # req_id -> push, expect or cancel
         self._cancelled: set[str] = set()
         self._refused: set[str] = set()
+        self._stats = KVPushStats()
+        self._last_gauges: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.distributed.parallel_state import (
@@ -115,13 +118,24 @@ class PushWorker:
                 recving.add(req_id)
                 if not outcome.ok and not cancelled:
                     failed.add(req_id)
+            if not cancelled:
+                self._stats.record(outcome.ok, outcome.reason, outcome.num_bytes,
+                                   outcome.num_descs, outcome.elapsed_s)  # fmt: skip
             log.debug("kvpush: %s %s ok=%s %s bytes=%d descs=%d %.1f ms", req_id,
                       "push" if self.config.is_prefill else "load", outcome.ok, outcome.reason,
                       outcome.num_bytes, outcome.num_descs, outcome.elapsed_s * 1e3)  # fmt: skip
         return sending, recving, failed
 
-    def gauges(self) -> dict[str, int]:
-        return self.endpoint.gauges() if self.endpoint is not None else {}
+    def take_stats(self) -> KVPushStats | None:
+        """Stats for this step, or None when nothing changed since the last one."""
+        gauges = self.endpoint.gauges() if self.endpoint is not None else {}
+        gauges = {k: v for k, v in gauges.items() if k in GAUGES}
+        if gauges == self._last_gauges and self._stats.is_empty():
+            return None
+        self._last_gauges = gauges
+        stats, self._stats = self._stats, KVPushStats()
+        stats.data["gauges"] = gauges
+        return stats
 
     def close(self) -> None:
         if self.endpoint is not None:

@@ -4,6 +4,7 @@ reference answer from a plain engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -114,3 +115,36 @@ def wait_usage_zero(*urls: str, timeout_s: float) -> float:
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"KV cache not released within {timeout_s} s: {usage}")
         time.sleep(0.1)
+
+
+_KVPUSH = re.compile(r"^kvpush:(\w+)\{[^}]*\} (\S+)$", re.M)
+
+
+def kvpush_gauges(url: str) -> dict[str, float]:
+    """kvpush's gauges as an engine's /metrics shows them (absent before the first transfer)."""
+    from kvpush.vllm.stats import GAUGES
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {name: float(v) for name, v in _KVPUSH.findall(text) if name in GAUGES}
+
+
+def wait_idle(*urls: str, timeout_s: float) -> float:
+    """KV-cache usage exactly 0.0 and every kvpush gauge 0 on each engine."""
+    took = wait_usage_zero(*urls, timeout_s=timeout_s)
+    start = time.monotonic()
+    while True:
+        held = {u: {k: v for k, v in kvpush_gauges(u).items() if v} for u in urls}
+        if not any(held.values()):
+            return took
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"kvpush gauges not 0 within {timeout_s} s: {held}")
+        time.sleep(0.1)
+
+
+async def abort_after(coro, seconds: float) -> None:
+    """Run a request and drop its connection after `seconds`, as a client that goes away."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await task

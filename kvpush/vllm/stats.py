@@ -1,0 +1,128 @@
+"""kvpush's gauges and counters, carried by vLLM's connector-stats path to /metrics.
+
+Each engine step the worker sends a `KVPushStats` when something changed: the endpoint's
+gauges (latest values) and counters since the last step. vLLM hands them to the API server
+process, where `KVPushPromMetrics` exposes them as `kvpush:*` metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+GAUGES = {
+    "pending_match": "prefill: transfers waiting for their registration or their prefill",
+    "in_flight": "prefill: WRITEs posted and not yet complete",
+    "held_sources": "prefill: requests whose blocks are held for a push",
+    "expected": "decode: requests whose blocks wait for prefill's WRITEs",
+    "expected_blocks": "decode: blocks held waiting for prefill",
+    "quarantined_blocks": "decode: cancelled blocks prefill has not released yet",
+}
+CAUSES = ("lease", "dead", "restarted", "cancelled", "handshake", "write", "checksum", "other")
+
+
+def failure_cause(reason: str) -> str:
+    for cause in CAUSES[:-1]:
+        if cause in reason.lower():
+            return cause
+    return "refused" if "refus" in reason else "other"
+
+
+def _empty() -> dict[str, Any]:
+    return {"gauges": {}, "transfers": 0, "num_bytes": 0, "num_descs": 0, "failures": {},
+            "elapsed_s": []}  # fmt: skip
+
+
+class KVPushStats(KVConnectorStats):
+    """Runs in vLLM's processes on data that crossed a process boundary: every read has a
+    default, since an exception here would fail requests."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data=_empty() | (data or {}))
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def record(self, ok: bool, reason: str, num_bytes: int, num_descs: int, elapsed_s: float):
+        if ok:
+            self.data["transfers"] += 1
+            self.data["num_bytes"] += num_bytes
+            self.data["num_descs"] += num_descs
+            self.data["elapsed_s"].append(elapsed_s)
+        else:
+            cause = failure_cause(reason)
+            self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
+
+    def aggregate(self, other: KVConnectorStats) -> KVPushStats:
+        o = other.data
+        self.data["gauges"] = o.get("gauges") or self.data["gauges"]  # latest wins
+        for name in ("transfers", "num_bytes", "num_descs"):
+            self.data[name] += o.get(name, 0)
+        for cause, n in o.get("failures", {}).items():
+            self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
+        self.data["elapsed_s"] = self.data["elapsed_s"] + list(o.get("elapsed_s", []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        times = sorted(d["elapsed_s"])
+        out: dict[str, int | float] = {
+            "transfers": d["transfers"],
+            "MB": round(d["num_bytes"] / 1e6, 3),
+            "descriptors": d["num_descs"],
+            "failures": sum(d["failures"].values()),
+            "median_ms": round(times[len(times) // 2] * 1e3, 2) if times else 0,
+        }
+        return out | d["gauges"]
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (d["gauges"] or d["transfers"] or d["failures"])
+
+
+class KVPushPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(cls: Any, name: str, doc: str, labels: list[str] = labelnames) -> dict:
+            return create_metric_per_engine(
+                cls(name=name, documentation=doc, labelnames=labels), per_engine_labelvalues
+            )
+
+        self.gauges = {
+            name: per_engine(self._gauge_cls, f"kvpush:{name}", doc) for name, doc in GAUGES.items()
+        }
+        self.transfers = per_engine(self._counter_cls, "kvpush:transfers", "completed transfers")
+        self.num_bytes = per_engine(self._counter_cls, "kvpush:transferred_bytes", "bytes moved")
+        self.num_descs = per_engine(self._counter_cls, "kvpush:descriptors", "descriptors posted")
+        failures = self._counter_cls(
+            name="kvpush:failures", documentation="failed transfers by cause",
+            labelnames=[*labelnames, "cause"],
+        )  # fmt: skip
+        self.failures = {
+            idx: {c: failures.labels(*values, c) for c in (*CAUSES, "refused")}
+            for idx, values in per_engine_labelvalues.items()
+        }
+        self.seconds = per_engine(
+            self._histogram_cls, "kvpush:transfer_seconds",
+            "hand-over (prefill) or registration (decode) to completion",
+        )  # fmt: skip
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        for name, value in d.get("gauges", {}).items():
+            if name in self.gauges:
+                self.gauges[name][engine_idx].set(value)
+        self.transfers[engine_idx].inc(d.get("transfers", 0))
+        self.num_bytes[engine_idx].inc(d.get("num_bytes", 0))
+        self.num_descs[engine_idx].inc(d.get("num_descs", 0))
+        for cause, n in d.get("failures", {}).items():
+            self.failures[engine_idx][cause].inc(n)
+        for seconds in d.get("elapsed_s", []):
+            self.seconds[engine_idx].observe(seconds)

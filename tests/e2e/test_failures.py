@@ -1,0 +1,208 @@
+"""Aborts, failures and crashes, each with its bound; every block is freed afterwards.
+
+This module starts its own pair (and kills it), with slow chunked prefill on the prefill
+engine (64 tokens a step) so an abort can land mid-prefill, and a 10 s lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from tests.e2e.client import (
+    abort_after,
+    body,
+    decode_params,
+    disagg,
+    post,
+    prefill_params,
+    wait_idle,
+    wait_usage_zero,
+)
+from tests.e2e.conftest import as_pair, free_port, pair_specs, start
+
+pytestmark = pytest.mark.e2e
+LEASE_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def victims(tiny_model):
+    prefill, decode = pair_specs(str(tiny_model), 32, 32, lease_s=LEASE_S)
+    prefill = replace(prefill, extra_args=("--max-num-batched-tokens", "64"))
+    engines = start(prefill, decode)
+    yield {"prefill": engines[0], "decode": engines[1]}
+    for e in engines:
+        e.stop()
+
+
+@pytest.fixture
+def fpair(victims):
+    return as_pair(victims["prefill"], victims["decode"])
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
+
+
+def decode_leg(c, pair, tid, p, stream=True):
+    b = body(p, 8, stream=stream, kv_transfer_params=decode_params(pair, tid))
+    return post(c, pair.decode_url, b)
+
+
+def prefill_leg(c, pair, tid, p):
+    return post(c, pair.prefill_url, body(p, 1, kv_transfer_params=prefill_params(tid)))
+
+
+def test_decode_abort_while_waiting_then_late_prefill_frees_both_within_2s(fpair):
+    async def go():
+        async with httpx.AsyncClient() as c:
+            tid, p = uuid.uuid4().hex, prompt(300, 1)
+            await abort_after(decode_leg(c, fpair, tid, p), 1.0)  # registered, then gone
+            wait_usage_zero(fpair.decode_url, timeout_s=2)  # prefill acknowledged the cancel
+            await prefill_leg(c, fpair, tid, p)  # prefill finishes after decode left
+
+    asyncio.run(go())
+    wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)  # freed, not written
+
+
+@pytest.mark.parametrize("after_s", [0.05, 0.2, 0.6])
+def test_decode_abort_at_any_moment_frees_both_within_2s(fpair, after_s):
+    """The decode leg is dropped at some moment of the push: before, during or after it."""
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            tid, p = uuid.uuid4().hex, prompt(1000, 2)
+            legs = asyncio.gather(
+                prefill_leg(c, fpair, tid, p), abort_after(decode_leg(c, fpair, tid, p), after_s)
+            )
+            await legs
+
+    asyncio.run(go())
+    wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
+
+
+def test_prefill_abort_fails_decode_within_1s(fpair):
+    async def go():
+        async with httpx.AsyncClient() as c:
+            tid, p = uuid.uuid4().hex, prompt(3000, 3)  # ~47 prefill steps of 64 tokens
+            decode = asyncio.ensure_future(decode_leg(c, fpair, tid, p, stream=False))
+            await asyncio.sleep(0.5)
+            await abort_after(prefill_leg(c, fpair, tid, p), 0.3)
+            aborted = time.monotonic()
+            with pytest.raises(httpx.HTTPStatusError) as err:
+                await decode
+            return time.monotonic() - aborted, err.value.response
+
+    took, response = asyncio.run(go())
+    assert response.status_code == 500
+    assert took < 1.0, f"decode learned of the prefill abort after {took:.2f} s"
+    wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
+
+
+def test_decode_that_never_registers_is_freed_by_the_lease(fpair):
+    async def go():
+        async with httpx.AsyncClient() as c:
+            await prefill_leg(c, fpair, uuid.uuid4().hex, prompt(200, 4))
+            return time.monotonic()
+
+    done = asyncio.run(go())
+    took = wait_usage_zero(fpair.prefill_url, timeout_s=LEASE_S + 3)
+    assert LEASE_S - 1 < time.monotonic() - done < LEASE_S + 3, took
+    wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"do_remote_prefill": True, "remote_port": 5600}, "remote_host"),
+        ({"do_remote_prefill": True, "remote_host": "x", "remote_port": "5600"}, "remote_port"),
+        ({"do_remote_prefill": True, "do_remote_decode": True}, "both true"),
+        ({"do_remote_decode": True, "transfer_id": 7}, "transfer_id"),
+        ({"do_remote_decode": True, "pp_size": 2}, "pp_size"),
+    ],
+)
+def test_malformed_params_get_400_naming_the_field(fpair, params, field):
+    for url in (fpair.prefill_url, fpair.decode_url):
+        r = httpx.post(url + "/v1/completions", json=body("hi", 4, kv_transfer_params=params))
+        assert r.status_code == 400
+        assert field in r.json()["error"]["message"]
+    wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
+
+
+def test_prompt_lists_and_n_are_refused_in_push_mode(fpair):
+    params = prefill_params("t")
+    r = httpx.post(fpair.prefill_url + "/v1/completions",
+                   json=body(["a", "b"], 2, kv_transfer_params=params))  # fmt: skip
+    assert r.status_code == 400 and "one prompt per request" in r.text
+    r = httpx.post(fpair.prefill_url + "/v1/completions",
+                   json=body("a", 2, n=2, kv_transfer_params=params))  # fmt: skip
+    assert r.status_code == 400 and "n=2" in r.text
+
+
+def test_wrong_prefill_engine_id_fails_the_request_clearly(fpair):
+    async def go():
+        async with httpx.AsyncClient() as c:
+            params = decode_params(fpair, uuid.uuid4().hex) | {"remote_engine_id": "other"}
+            b = body(prompt(100, 5), 4, kv_transfer_params=params)
+            r = await c.post(fpair.decode_url + "/v1/completions", json=b, timeout=30)
+            return r.status_code
+
+    assert asyncio.run(go()) == 500
+    wait_idle(fpair.decode_url, timeout_s=2)
+
+
+def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(victims, tiny_model):
+    pair = as_pair(victims["prefill"], victims["decode"])
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            tid, p = uuid.uuid4().hex, prompt(200, 6)
+            decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
+            await asyncio.sleep(1.0)  # registered with prefill, which never runs the leg
+            victims["prefill"].kill()
+            killed = time.monotonic()
+            with pytest.raises(httpx.HTTPStatusError):
+                await decode
+            return time.monotonic() - killed
+
+    assert asyncio.run(go()) < 10.0
+    wait_idle(pair.decode_url, timeout_s=2)
+    # A new prefill engine on the same side-channel port: decode serves through it.
+    spec = victims["prefill"].spec
+    (victims["prefill"],) = start(replace(spec, port=free_port()))
+    pair = as_pair(victims["prefill"], victims["decode"])
+
+    async def again():
+        async with httpx.AsyncClient() as c:
+            return await disagg(c, pair, prompt(100, 7), 8)
+
+    assert asyncio.run(again())["choices"][0]["text"]
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=2)
+
+
+def test_killed_decode_frees_prefill_blocks_within_10s(victims):
+    pair = as_pair(victims["prefill"], victims["decode"])
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            tid, p = uuid.uuid4().hex, prompt(200, 8)
+            decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
+            await asyncio.sleep(1.0)  # decode registered; prefill has not started
+            victims["decode"].kill()
+            killed = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError):
+                await decode
+            await prefill_leg(c, pair, tid, p)
+            return killed
+
+    killed = asyncio.run(go())
+    wait_usage_zero(pair.prefill_url, timeout_s=10)
+    assert time.monotonic() - killed < 10.0
