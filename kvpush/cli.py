@@ -22,6 +22,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return transfer.main(quick=args.quick, out=Path(args.out) if args.out else None)
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from kvpush.proxy import cli
+
+    return cli.main(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvpush.launch import demo
 
@@ -47,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--quick", action="store_true", help="a subset, under a minute")
     transfer.add_argument("--out", help="JSON file to write")
     transfer.set_defaults(func=_bench_transfer)
+
+    proxy = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy")
+    from kvpush.proxy.cli import add_arguments
+
+    add_arguments(proxy)
+    proxy.set_defaults(func=_proxy)
 
     demo = sub.add_parser("demo", help="local stack: push vs pull TTFT side by side")
     demo.set_defaults(func=_demo)

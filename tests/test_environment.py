@@ -38,8 +38,10 @@ print(type(sched).__name__, type(worker.connector_worker.nixl_wrapper).__name__)
 def test_vllm_nixl_connector_constructs_in_both_roles(tiny_model):
     proc = subprocess.run(
         [sys.executable, "-c", CONSTRUCT, str(tiny_model)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-2:] == ["NixlPullConnector", "nixl_agent"]
 

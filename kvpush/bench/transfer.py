@@ -115,9 +115,12 @@ def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[d
     if not counts:
         return []
     spec = LayoutSpec(
-        num_blocks=2 * max(counts), block_size=TOKENS_PER_BLOCK, num_heads=1,
-        head_bytes=block_bytes // TOKENS_PER_BLOCK, num_regions=1,
-    )  # fmt: skip
+        num_blocks=2 * max(counts),
+        block_size=TOKENS_PER_BLOCK,
+        num_heads=1,
+        head_bytes=block_bytes // TOKENS_PER_BLOCK,
+        num_regions=1,
+    )
     compat = Compat("push", "bench", "uint8", "bench")
     import socket
 
@@ -160,10 +163,14 @@ def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[d
                     for name, value in sample.items():
                         runs.setdefault(name, []).append(value)
                 row = {
-                    "block_bytes": block_bytes, "num_blocks": n, "pattern": pattern,
-                    "num_bytes": n * block_bytes, "push_descs": out_p.num_descs,
-                    "pull_descs": pull["descs"], "repeats": repeats,
-                } | {f"{k}_median": statistics.median(v) for k, v in runs.items()}  # fmt: skip
+                    "block_bytes": block_bytes,
+                    "num_blocks": n,
+                    "pattern": pattern,
+                    "num_bytes": n * block_bytes,
+                    "push_descs": out_p.num_descs,
+                    "pull_descs": pull["descs"],
+                    "repeats": repeats,
+                } | {f"{k}_median": statistics.median(v) for k, v in runs.items()}
                 row["push_gbps"] = row["num_bytes"] / row["push_ms_median"] / 1e6
                 rows.append(row)
                 _print_row(row)
@@ -194,8 +201,11 @@ def _print_row(r: dict) -> None:
 def main(quick: bool = False, out: Path | None = None) -> int:
     grid = QUICK_GRID if quick else FULL_GRID
     repeats = 3 if quick else 5
-    print(f"kvpush bench transfer ({'quick' if quick else 'full'}): DRAM over NIXL/UCX, "
-          f"medians of {repeats} runs", flush=True)  # fmt: skip
+    print(
+        f"kvpush bench transfer ({'quick' if quick else 'full'}): DRAM over NIXL/UCX, "
+        f"medians of {repeats} runs",
+        flush=True,
+    )
     print(HEADER, flush=True)
     rows: list[dict] = []
     for block_bytes in grid["block_bytes"]:

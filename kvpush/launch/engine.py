@@ -92,13 +92,26 @@ class EngineSpec:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--served-model-name", self.served_model_name,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--block-size", str(self.block_size), "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
-            "--tensor-parallel-size", str(self.tp_size),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--block-size",
+            str(self.block_size),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--tensor-parallel-size",
+            str(self.tp_size),
+        ]
         prefix = self.prefix_caching if self.prefix_caching is not None else self.role != "decode"
         cmd.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
         kv = self.kv_transfer_config()
@@ -123,11 +136,16 @@ class EngineSpec:
     def describe(self) -> dict:
         """What a proxy needs to know about this engine (written by `kvpush serve`)."""
         return {
-            "url": self.url, "role": self.role, "connector": self.connector,
-            "engine_id": self.name, "kv_host": self.kv_host,
-            "side_channel_port": self.side_channel_port, "tp_size": self.tp_size, "pp_size": 1,
+            "url": self.url,
+            "role": self.role,
+            "connector": self.connector,
+            "engine_id": self.name,
+            "kv_host": self.kv_host,
+            "side_channel_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "pp_size": 1,
             "served_model_name": self.served_model_name,
-        }  # fmt: skip
+        }
 
     def env_summary(self) -> str:
         keys = (
@@ -154,9 +172,12 @@ class Engine:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
-            spec.command(), env=spec.env(), stdout=self._log, stderr=subprocess.STDOUT,
+            spec.command(),
+            env=spec.env(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def wait_ready(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s

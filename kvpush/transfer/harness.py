@@ -40,10 +40,18 @@ class LayoutSpec:
     def build(self, arrays: list[np.ndarray]) -> KVLayout:
         regions = tuple(RegionSpec(a.ctypes.data, self.block_bytes) for a in arrays)
         return KVLayout(
-            regions, self.num_blocks, self.block_size, self.num_heads, self.head_bytes,
-            self.head_major, self.first_head, self.total_heads, num_parts=self.num_parts,
-            dim_major_parts=self.dim_major_parts, elem_bytes=self.elem_bytes,
-        )  # fmt: skip
+            regions,
+            self.num_blocks,
+            self.block_size,
+            self.num_heads,
+            self.head_bytes,
+            self.head_major,
+            self.first_head,
+            self.total_heads,
+            num_parts=self.num_parts,
+            dim_major_parts=self.dim_major_parts,
+            elem_bytes=self.elem_bytes,
+        )
 
     @property
     def block_bytes(self) -> int:

@@ -219,16 +219,21 @@ class DecodeEndpoint(Endpoint):
         if not self.config.debug_checksum:
             return ""
         reg = exp.registrations[written.prefill_rank]
-        landed = digest(self.layout, reg.block_ids, reg.num_cached_tokens, reg.num_tokens,
-                        range(*reg.heads))  # fmt: skip
+        landed = digest(
+            self.layout, reg.block_ids, reg.num_cached_tokens, reg.num_tokens, range(*reg.heads)
+        )
         if landed == written.digest:
             self.counters["checksums_ok"] += 1
-            log.info("decode: checksum ok for %s from prefill rank %d", written.key,
-                     written.prefill_rank)  # fmt: skip
+            log.info(
+                "decode: checksum ok for %s from prefill rank %d", written.key, written.prefill_rank
+            )
             return ""
         self.counters["checksum_mismatches"] += 1
-        log.error("decode: checksum mismatch for %s from prefill rank %d", written.key,
-                  written.prefill_rank)  # fmt: skip
+        log.error(
+            "decode: checksum mismatch for %s from prefill rank %d",
+            written.key,
+            written.prefill_rank,
+        )
         return f"checksum mismatch for data from prefill rank {written.prefill_rank}"
 
     def _complete(self, key: wire.TransferKey, address: str, failure: str) -> None:

@@ -171,19 +171,31 @@ class PrefillEndpoint(Endpoint):
                     f"decode expects {reg.num_tokens} tokens, prefill has {w.source.num_tokens}"
                 )
             plan = plan_copies(
-                self.layout, peer.layout, w.source.block_ids, reg.block_ids,
-                reg.num_cached_tokens, reg.num_tokens, heads, pad_tail=True,
-            )  # fmt: skip
+                self.layout,
+                peer.layout,
+                w.source.block_ids,
+                reg.block_ids,
+                reg.num_cached_tokens,
+                reg.num_tokens,
+                heads,
+                pad_tail=True,
+            )
             src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
             sent = b""
             if self.config.debug_checksum:
-                sent = digest(self.layout, w.source.block_ids, reg.num_cached_tokens,
-                              reg.num_tokens, heads)  # fmt: skip
+                sent = digest(
+                    self.layout, w.source.block_ids, reg.num_cached_tokens, reg.num_tokens, heads
+                )
             notif = wire.encode(wire.WrittenMsg(w.key, self.config.rank, sent))
             handle, state = self.agent.post(
-                "WRITE", peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type,
+                "WRITE",
+                peer.agent_name,
+                src,
+                dst,
+                self.layout.mem_type,
+                peer.layout.mem_type,
                 notif,
-            )  # fmt: skip
+            )
         except Exception as e:
             self._apply(self._matcher.write_done(w.key, w.peer, False, f"WRITE not posted: {e}"))
             return

@@ -47,9 +47,14 @@ class ConnectorConfig:
             )
         extra = dict(kv.kv_connector_extra_config or {})
         known = {
-            "backends", "side_channel_host", "side_channel_port", "lease_s", "dead_after_s",
-            "heartbeat_s", "debug_checksum",
-        }  # fmt: skip
+            "backends",
+            "side_channel_host",
+            "side_channel_port",
+            "lease_s",
+            "dead_after_s",
+            "heartbeat_s",
+            "debug_checksum",
+        }
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(

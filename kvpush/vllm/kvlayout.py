@@ -25,8 +25,10 @@ def layout_from_kv_caches(
     first = tensors[0]
     for name, t in kv_caches.items():
         if t.shape != first.shape or t.dtype != first.dtype:
-            raise ValueError(f"layer {name} has KV cache {tuple(t.shape)} {t.dtype}, "
-                             f"unlike {tuple(first.shape)} {first.dtype}")  # fmt: skip
+            raise ValueError(
+                f"layer {name} has KV cache {tuple(t.shape)} {t.dtype}, "
+                f"unlike {tuple(first.shape)} {first.dtype}"
+            )
     inner = first[0][0] if first.dim() == 5 else first[0]
     if not inner.is_contiguous():
         raise ValueError(f"KV cache blocks are not contiguous (strides {first.stride()})")
@@ -54,10 +56,20 @@ def layout_from_kv_caches(
             "heads on this rank); supported: [B, H, N, 2D], [2, B, H, N, D], [2, B, N, H, D]"
         )
     return KVLayout(
-        tuple(regions), num_blocks, block_size, len(heads), head_bytes, head_major,
-        first_head=heads.start, total_heads=total_heads, mem_type=mem_type, dev_id=dev_id,
-        num_parts=num_parts, dim_major_parts=dim_major_parts, elem_bytes=size,
-    )  # fmt: skip
+        tuple(regions),
+        num_blocks,
+        block_size,
+        len(heads),
+        head_bytes,
+        head_major,
+        first_head=heads.start,
+        total_heads=total_heads,
+        mem_type=mem_type,
+        dev_id=dev_id,
+        num_parts=num_parts,
+        dim_major_parts=dim_major_parts,
+        elem_bytes=size,
+    )
 
 
 def probe_cpu_layout(dtype: Any, block_size: int, head_dim: int) -> None:

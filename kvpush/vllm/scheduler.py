@@ -74,9 +74,13 @@ class PushScheduler:
         assert params is not None and params.prefill is not None
         num_local = request.num_prompt_tokens - num_external
         expect = m.Expect(
-            rid, params.key(rid), params.prefill, list(blocks.get_block_ids()[0]),
-            request.num_prompt_tokens, num_local,
-        )  # fmt: skip
+            rid,
+            params.key(rid),
+            params.prefill,
+            list(blocks.get_block_ids()[0]),
+            request.num_prompt_tokens,
+            num_local,
+        )
         self._actions.append(expect)
         self._loading[rid] = expect
 
@@ -131,8 +135,12 @@ class PushScheduler:
             return False, None
         key = params.key(rid)
         if params.leg != "prefill":
-            log.warning("kvpush: request %s (transfer %s) is a decode leg sent to a prefill "
-                        "engine; nothing is pushed", rid, key)  # fmt: skip
+            log.warning(
+                "kvpush: request %s (transfer %s) is a decode leg sent to a prefill "
+                "engine; nothing is pushed",
+                rid,
+                key,
+            )
             return False, None
         if request.status not in _FINISHED_OK or not block_ids:
             self._actions.append(m.Abort(key, f"prefill request ended {request.status.name}"))

@@ -34,8 +34,14 @@ def failure_cause(reason: str) -> str:
 
 
 def _empty() -> dict[str, Any]:
-    return {"gauges": {}, "transfers": 0, "num_bytes": 0, "num_descs": 0, "failures": {},
-            "elapsed_s": []}  # fmt: skip
+    return {
+        "gauges": {},
+        "transfers": 0,
+        "num_bytes": 0,
+        "num_descs": 0,
+        "failures": {},
+        "elapsed_s": [],
+    }
 
 
 class KVPushStats(KVConnectorStats):
@@ -86,8 +92,13 @@ class KVPushStats(KVConnectorStats):
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def per_engine(cls: Any, name: str, doc: str, labels: list[str] = labelnames) -> dict:
@@ -102,17 +113,19 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         self.num_bytes = per_engine(self._counter_cls, "kvpush:transferred_bytes", "bytes moved")
         self.num_descs = per_engine(self._counter_cls, "kvpush:descriptors", "descriptors posted")
         failures = self._counter_cls(
-            name="kvpush:failures", documentation="failed transfers by cause",
+            name="kvpush:failures",
+            documentation="failed transfers by cause",
             labelnames=[*labelnames, "cause"],
-        )  # fmt: skip
+        )
         self.failures = {
             idx: {c: failures.labels(*values, c) for c in (*CAUSES, "refused")}
             for idx, values in per_engine_labelvalues.items()
         }
         self.seconds = per_engine(
-            self._histogram_cls, "kvpush:transfer_seconds",
+            self._histogram_cls,
+            "kvpush:transfer_seconds",
             "hand-over (prefill) or registration (decode) to completion",
-        )  # fmt: skip
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

@@ -59,8 +59,13 @@ class ValidateMiddleware:
             payload = json.dumps(
                 {"error": {"message": error, "type": "BadRequestError", "code": 400}}
             ).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 400,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": payload})
             return
         replayed = False

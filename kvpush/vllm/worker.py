@@ -49,25 +49,39 @@ class PushWorker:
         first = next(iter(kv_caches.values()))
         compat = wire.Compat(
             mode="push",
-            model=model.served_model_name if isinstance(model.served_model_name, str)
+            model=model.served_model_name
+            if isinstance(model.served_model_name, str)
             else str(model.model),
             dtype=str(first.dtype).removeprefix("torch."),
             layout_kind=wire.layout_kind(layout),
-        )  # fmt: skip
+        )
         port = cfg.side_channel_port + rank if cfg.is_prefill else cfg.side_channel_port
         transfer = TransferConfig(
-            engine_id=cfg.engine_id, compat=compat, rank=rank, tp_size=tp_size,
-            side_channel_host=cfg.side_channel_host, side_channel_port=port,
-            backends=cfg.backends, lease_s=cfg.lease_s, dead_after_s=cfg.dead_after_s,
-            heartbeat_s=cfg.heartbeat_s, debug_checksum=cfg.debug_checksum,
-        )  # fmt: skip
+            engine_id=cfg.engine_id,
+            compat=compat,
+            rank=rank,
+            tp_size=tp_size,
+            side_channel_host=cfg.side_channel_host,
+            side_channel_port=port,
+            backends=cfg.backends,
+            lease_s=cfg.lease_s,
+            dead_after_s=cfg.dead_after_s,
+            heartbeat_s=cfg.heartbeat_s,
+            debug_checksum=cfg.debug_checksum,
+        )
         cls = PrefillEndpoint if cfg.is_prefill else DecodeEndpoint
         self.endpoint = cls(transfer, layout)
         log.info(
             "kvpush %s rank %d/%d listening on %s: %d layers, %d blocks of %d tokens, %s",
-            cls.role, rank, tp_size, self.endpoint.address, len(kv_caches), layout.num_blocks,
-            layout.block_size, compat.layout_kind,
-        )  # fmt: skip
+            cls.role,
+            rank,
+            tp_size,
+            self.endpoint.address,
+            len(kv_caches),
+            layout.num_blocks,
+            layout.block_size,
+            compat.layout_kind,
+        )
 
     def start(self, actions: list[m.Action]) -> None:
         for action in actions:
@@ -119,11 +133,23 @@ class PushWorker:
                 if not outcome.ok and not cancelled:
                     failed.add(req_id)
             if not cancelled:
-                self._stats.record(outcome.ok, outcome.reason, outcome.num_bytes,
-                                   outcome.num_descs, outcome.elapsed_s)  # fmt: skip
-            log.debug("kvpush: %s %s ok=%s %s bytes=%d descs=%d %.1f ms", req_id,
-                      "push" if self.config.is_prefill else "load", outcome.ok, outcome.reason,
-                      outcome.num_bytes, outcome.num_descs, outcome.elapsed_s * 1e3)  # fmt: skip
+                self._stats.record(
+                    outcome.ok,
+                    outcome.reason,
+                    outcome.num_bytes,
+                    outcome.num_descs,
+                    outcome.elapsed_s,
+                )
+            log.debug(
+                "kvpush: %s %s ok=%s %s bytes=%d descs=%d %.1f ms",
+                req_id,
+                "push" if self.config.is_prefill else "load",
+                outcome.ok,
+                outcome.reason,
+                outcome.num_bytes,
+                outcome.num_descs,
+                outcome.elapsed_s * 1e3,
+            )
         return sending, recving, failed
 
     def take_stats(self) -> KVPushStats | None:

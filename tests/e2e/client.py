@@ -30,10 +30,13 @@ def prefill_params(transfer_id: str) -> dict:
 
 def decode_params(pair: Pair, transfer_id: str) -> dict:
     return {
-        "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1",
-        "remote_port": pair.side_channel_port, "remote_engine_id": pair.prefill_engine_id,
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": pair.side_channel_port,
+        "remote_engine_id": pair.prefill_engine_id,
         "tp_size": 1,
-    }  # fmt: skip
+    }
 
 
 def body(prompt, max_tokens: int, chat: bool = False, stream: bool = False, **kw) -> dict:
@@ -71,9 +74,16 @@ def text_of(resp: dict) -> str:
 
 
 async def disagg(
-    client: httpx.AsyncClient, pair: Pair, prompt, max_tokens: int = 16, chat: bool = False,
-    stream: bool = False, delay_prefill_s: float = 0.0, delay_decode_s: float = 0.0, **kw,
-) -> dict:  # fmt: skip
+    client: httpx.AsyncClient,
+    pair: Pair,
+    prompt,
+    max_tokens: int = 16,
+    chat: bool = False,
+    stream: bool = False,
+    delay_prefill_s: float = 0.0,
+    delay_decode_s: float = 0.0,
+    **kw,
+) -> dict:
     """Both legs at once (one may be delayed to force an arrival order); decode's answer."""
     tid = uuid.uuid4().hex
 

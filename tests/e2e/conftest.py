@@ -41,10 +41,24 @@ def start(*specs: EngineSpec) -> list[Engine]:
 def pair_specs(model: str, prefill_bs: int, decode_bs: int, **extra) -> tuple[EngineSpec, ...]:
     side = free_port()
     common = {"connector_extra": {"debug_checksum": True} | extra}
-    prefill = EngineSpec("prefill", model, free_port(), engine_id=f"prefill-{side}",
-                         side_channel_port=side, block_size=prefill_bs, **common)  # fmt: skip
-    decode = EngineSpec("decode", model, free_port(), engine_id=f"decode-{side}",
-                        block_size=decode_bs, prefix_caching=True, **common)  # fmt: skip
+    prefill = EngineSpec(
+        "prefill",
+        model,
+        free_port(),
+        engine_id=f"prefill-{side}",
+        side_channel_port=side,
+        block_size=prefill_bs,
+        **common,
+    )
+    decode = EngineSpec(
+        "decode",
+        model,
+        free_port(),
+        engine_id=f"decode-{side}",
+        block_size=decode_bs,
+        prefix_caching=True,
+        **common,
+    )
     return prefill, decode
 
 

@@ -139,11 +139,13 @@ def test_malformed_params_get_400_naming_the_field(fpair, params, field):
 
 def test_prompt_lists_and_n_are_refused_in_push_mode(fpair):
     params = prefill_params("t")
-    r = httpx.post(fpair.prefill_url + "/v1/completions",
-                   json=body(["a", "b"], 2, kv_transfer_params=params))  # fmt: skip
+    r = httpx.post(
+        fpair.prefill_url + "/v1/completions", json=body(["a", "b"], 2, kv_transfer_params=params)
+    )
     assert r.status_code == 400 and "one prompt per request" in r.text
-    r = httpx.post(fpair.prefill_url + "/v1/completions",
-                   json=body("a", 2, n=2, kv_transfer_params=params))  # fmt: skip
+    r = httpx.post(
+        fpair.prefill_url + "/v1/completions", json=body("a", 2, n=2, kv_transfer_params=params)
+    )
     assert r.status_code == 400 and "n=2" in r.text
 
 

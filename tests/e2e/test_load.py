@@ -73,8 +73,9 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair):
     async def go():
         sem = asyncio.Semaphore(16)
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as c:
-            results = await asyncio.gather(*(one(c, sem, i) for i in range(500)),
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *(one(c, sem, i) for i in range(500)), return_exceptions=True
+            )
         return [r for r in results if isinstance(r, Exception)]
 
     errors = asyncio.run(go())

@@ -27,9 +27,10 @@ def apply(plan, src_arrays, dst_arrays, src_layout, dst_layout):
 
 def _region_of(layout, arrays, addr):
     (idx,) = [
-        i for i, (r, a) in enumerate(zip(layout.regions, arrays, strict=True))
+        i
+        for i, (r, a) in enumerate(zip(layout.regions, arrays, strict=True))
         if r.base_addr <= addr < r.base_addr + a.nbytes
-    ]  # fmt: skip
+    ]
     return idx
 
 
@@ -136,12 +137,15 @@ def test_bad_block_ids_are_refused_with_the_limit():
         plan_copies(layout, layout, [0], [0, 1], 0, 32)
 
 
-@pytest.mark.parametrize(("decode_tp", "prefill_tp", "heads", "want"), [
-    (2, 1, 4, [{0: range(0, 2)}, {0: range(2, 4)}]),
-    (1, 2, 4, [{0: range(0, 2), 1: range(2, 4)}]),
-    (1, 1, 4, [{0: range(0, 4)}]),
-    (2, 8, 2, [{0: range(0, 1)}, {4: range(1, 2)}]),  # replicated prefill heads: one writer
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("decode_tp", "prefill_tp", "heads", "want"),
+    [
+        (2, 1, 4, [{0: range(0, 2)}, {0: range(2, 4)}]),
+        (1, 2, 4, [{0: range(0, 2), 1: range(2, 4)}]),
+        (1, 1, 4, [{0: range(0, 4)}]),
+        (2, 8, 2, [{0: range(0, 1)}, {4: range(1, 2)}]),  # replicated prefill heads: one writer
+    ],
+)
 def test_which_prefill_rank_writes_which_heads(decode_tp, prefill_tp, heads, want):
     got = [
         writer_heads(rank_heads(d, decode_tp, heads), prefill_tp, heads) for d in range(decode_tp)
@@ -166,13 +170,15 @@ VLLM_CPU = replace(
 )
 
 
-@pytest.mark.parametrize(("src_bs", "dst_bs", "start"), [(32, 32, 0), (32, 64, 0), (64, 32, 32),
-                                                         (32, 64, 40)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("src_bs", "dst_bs", "start"), [(32, 32, 0), (32, 64, 0), (64, 32, 32), (32, 64, 40)]
+)
 def test_k_stored_dimension_by_dimension_lands_exactly(src_bs, dst_bs, start):
     """vLLM's CPU backend keeps K as [dim][token] and V as [token][dim] in each head."""
     src, dst = replace(VLLM_CPU, block_size=src_bs), replace(VLLM_CPU, block_size=dst_bs)
-    plan = check(src, dst, list(range(192 // src_bs)), list(range(5, 5 + 192 // dst_bs)),
-                 start, 150)  # fmt: skip
+    plan = check(
+        src, dst, list(range(192 // src_bs)), list(range(5, 5 + 192 // dst_bs)), start, 150
+    )
     assert plan.total_bytes == (150 - start) * 2 * 2 * 16 * 2
 
 

@@ -1,0 +1,95 @@
+"""`kvpush proxy`: build the configuration from a file, engine files and flags; serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvpush.proxy.config import POLICIES, EngineInfo, ProxyConfig, load_engines, load_file
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML or TOML file: engines and settings")
+    p.add_argument(
+        "--engine-file",
+        action="append",
+        default=[],
+        help="engine description JSON written by `kvpush serve` (repeatable)",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL[,key=value...]",
+        help="a prefill engine, e.g. http://h:8100,engine_id=p0,kv_host=h,"
+        "side_channel_port=5600,tp_size=1 (repeatable)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL[,key=value...]",
+        help="a decode engine (repeatable)",
+    )
+    p.add_argument(
+        "--connector",
+        choices=["kvpush", "nixl-push", "nixl-pull"],
+        default=None,
+        help="what the engines run (default kvpush): push or pull dispatch",
+    )
+    p.add_argument("--policy", choices=POLICIES, default=None)
+    p.add_argument(
+        "--max-decode-prompt-tokens",
+        type=int,
+        default=None,
+        help="outstanding prompt tokens per decode engine before 503",
+    )
+    p.add_argument("--request-timeout-s", type=float, default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def parse_engine(spec: str, role: str) -> EngineInfo:
+    url, *pairs = spec.split(",")
+    fields: dict = {"url": url, "role": role}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in EngineInfo.__dataclass_fields__:
+            raise ValueError(
+                f"bad engine option {pair!r} in {spec!r}; known: "
+                f"{sorted(EngineInfo.__dataclass_fields__)}"
+            )
+        fields[key] = int(value) if key in ("side_channel_port", "tp_size", "pp_size") else value
+    return EngineInfo(**fields)
+
+
+def build_config(args: argparse.Namespace) -> ProxyConfig:
+    settings = load_file(args.config) if args.config else {"engines": []}
+    engines = list(settings.pop("engines"))
+    engines += load_engines(args.engine_file)
+    engines += [parse_engine(s, "prefill") for s in args.prefill]
+    engines += [parse_engine(s, "decode") for s in args.decode]
+    for name in ("connector", "policy", "max_decode_prompt_tokens", "request_timeout_s"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    return ProxyConfig(engines=tuple(engines), **settings)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvpush.proxy.app import create_app
+
+    config = build_config(args)
+    log.info(
+        "kvpush proxy (%s, %s) on http://%s:%d: %s",
+        config.mode,
+        config.connector,
+        args.host,
+        args.port,
+        ", ".join(f"{e.role} {e.url}" for e in config.engines),
+    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    return 0

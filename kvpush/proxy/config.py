@@ -1,0 +1,109 @@
+"""The proxy's configuration: its engines (from a YAML/TOML file, `kvpush serve` description
+files, or flags) and its settings, checked once."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODES = ("push", "pull")
+CONNECTORS = {"kvpush": "push", "nixl-push": "push", "nixl-pull": "pull"}
+POLICIES = ("round-robin", "least-outstanding")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    url: str
+    role: str  # "prefill" or "decode"
+    engine_id: str = ""
+    kv_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(
+                f"engine {self.url}: role must be prefill or decode, got {self.role!r}"
+            )
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine url must start with http:// or https://, got {self.url!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    engines: tuple[EngineInfo, ...]
+    connector: str = "kvpush"
+    policy: str = "round-robin"
+    max_decode_prompt_tokens: int = 1_000_000  # per decode engine; beyond: 503 Retry-After
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    api_key: str | None = None  # forwarded to engines when the client sends none
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS:
+            raise ValueError(
+                f"connector must be one of {sorted(CONNECTORS)}, got {self.connector!r}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for role in ("prefill", "decode"):
+            if not any(e.role == role for e in self.engines):
+                raise ValueError(f"the proxy needs at least one {role} engine")
+        if self.max_decode_prompt_tokens < 1:
+            raise ValueError("max_decode_prompt_tokens must be >= 1")
+
+    @property
+    def mode(self) -> str:
+        return CONNECTORS[self.connector]
+
+    def of_role(self, role: str) -> list[EngineInfo]:
+        return [e for e in self.engines if e.role == role]
+
+
+def load_engines(paths: list[str]) -> list[EngineInfo]:
+    """Engine description JSON files written by `kvpush serve`, or a YAML/TOML file with an
+    `engines:` list (and optional settings, returned via load_file)."""
+    engines: list[EngineInfo] = []
+    for p in paths:
+        engines += [EngineInfo.from_dict(d) for d in _read(Path(p)).get("engines", [])] or [
+            EngineInfo.from_dict(_read(Path(p)))
+        ]
+    return engines
+
+
+def load_file(path: str) -> dict[str, Any]:
+    data = _read(Path(path))
+    data["engines"] = [EngineInfo.from_dict(d) for d in data.get("engines", [])]
+    return data
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix == ".toml":
+        return tomllib.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        return yaml.safe_load(text) or {}
+    return json.loads(text)
+
+
+@dataclass
+class EngineState:
+    info: EngineInfo
+    healthy: bool = True
+    served_models: list[str] = field(default_factory=list)
+    error: str = ""
+    outstanding: int = 0
+    outstanding_tokens: int = 0
+    waiting_on_prefill: int = 0  # decode: requests holding blocks until prefill is done

@@ -1,0 +1,73 @@
+"""The proxy's Prometheus metrics, in a registry of its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvpush_proxy_requests",
+            "requests by mode and HTTP status",
+            ["mode", "status"],
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "kvpush_proxy_prefill_leg_seconds",
+            "prefill leg latency",
+            buckets=_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "kvpush_proxy_ttft_seconds",
+            "time to first byte of the answer",
+            buckets=_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot_seconds = Histogram(
+            "kvpush_proxy_tpot_seconds",
+            "time per streamed chunk after the first",
+            buckets=_BUCKETS_S,
+            registry=r,
+        )
+        self.outstanding = Gauge(
+            "kvpush_proxy_outstanding",
+            "requests in flight per engine",
+            ["engine", "role"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "kvpush_proxy_decode_waiting_on_prefill",
+            "decode requests whose blocks wait for prefill",
+            ["engine"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvpush_proxy_engine_healthy",
+            "1 if the engine passes health checks",
+            ["engine", "role"],
+            registry=r,
+        )
+
+    def observe_latency(self, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+        if ttft_s is not None:
+            self.ttft_seconds.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot_seconds.observe(tpot_s)
+
+    def observe_pool(self, pool: Any) -> None:
+        for s in pool.states:
+            self.outstanding.labels(s.info.url, s.info.role).set(s.outstanding)
+            self.healthy.labels(s.info.url, s.info.role).set(1 if s.healthy else 0)
+            if s.info.role == "decode":
+                self.waiting.labels(s.info.url).set(s.waiting_on_prefill)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

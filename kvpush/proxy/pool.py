@@ -1,0 +1,143 @@
+"""The engines behind the proxy: one pooled HTTP client each, health, load, and selection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+import httpx
+
+from kvpush.proxy.config import EngineState, ProxyConfig
+from kvpush.proxy.errors import ProxyError
+
+log = logging.getLogger(__name__)
+
+
+class EnginePool:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.states = [EngineState(info) for info in config.engines]
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._turn = {role: itertools.count() for role in ("prefill", "decode")}
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(
+            self.config.request_timeout_s, connect=self.config.connect_timeout_s
+        )
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        for s in self.states:
+            self._clients[s.info.url] = httpx.AsyncClient(
+                base_url=s.info.url, timeout=timeout, limits=limits
+            )
+        await self.check_health()
+        names = {tuple(s.served_models) for s in self.states if s.served_models}
+        if len(names) > 1:
+            await self.stop()
+            detail = "; ".join(f"{s.info.url} serves {s.served_models}" for s in self.states)
+            raise RuntimeError(f"engines serve different models: {detail}")
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+
+    def client(self, state: EngineState) -> httpx.AsyncClient:
+        return self._clients[state.info.url]
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(s) for s in self.states))
+        served = [tuple(s.served_models) for s in self.states if s.healthy and s.served_models]
+        if len(set(served)) > 1:
+            detail = "; ".join(f"{s.info.url} serves {s.served_models}" for s in self.states)
+            log.error("served-model-name mismatch: %s", detail)
+            for s in self.states:
+                s.error = f"served-model-name mismatch: {detail}"
+
+    async def _check(self, s: EngineState) -> None:
+        client = self._clients[s.info.url]
+        try:
+            r = await client.get("/health", timeout=5)
+            r.raise_for_status()
+            models = await client.get("/v1/models", timeout=5)
+            s.served_models = [m["id"] for m in models.json()["data"]]
+            if not s.healthy:
+                log.info("engine %s is healthy again", s.info.url)
+            s.healthy, s.error = True, ""
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            if s.healthy:
+                log.warning("engine %s is unhealthy: %s", s.info.url, e)
+            s.healthy, s.error = False, f"{type(e).__name__}: {e}"
+
+    def mark_failed(self, url: str, error: Exception) -> None:
+        """A connection to this engine failed: skip it until a health check passes."""
+        for s in self.states:
+            if url.startswith(s.info.url) and isinstance(error, httpx.ConnectError):
+                s.healthy, s.error = False, f"{type(error).__name__}: {error}"
+
+    def has_healthy(self, role: str) -> bool:
+        return any(s.healthy and s.info.role == role for s in self.states)
+
+    def models(self) -> list[str]:
+        for s in self.states:
+            if s.healthy and s.served_models:
+                return list(s.served_models)
+        return []
+
+    def pick(self, role: str, prompt_tokens: int) -> EngineState:
+        candidates = [s for s in self.states if s.info.role == role and s.healthy]
+        if not candidates:
+            raise ProxyError(503, f"no healthy {role} engine", {"Retry-After": "1"})
+        if role == "decode":
+            cap = self.config.max_decode_prompt_tokens
+            candidates = [s for s in candidates if s.outstanding_tokens + prompt_tokens <= cap]
+            if not candidates:
+                raise ProxyError(
+                    503,
+                    f"every decode engine holds {cap} outstanding prompt "
+                    "tokens (max_decode_prompt_tokens); retry later",
+                    {"Retry-After": "1"},
+                )
+        if self.config.policy == "least-outstanding":
+            return min(candidates, key=lambda s: (s.outstanding, s.outstanding_tokens))
+        return candidates[next(self._turn[role]) % len(candidates)]
+
+    def acquire(self, s: EngineState, tokens: int, waiting: bool = False) -> None:
+        s.outstanding += 1
+        s.outstanding_tokens += tokens
+        s.waiting_on_prefill += waiting
+
+    def release(self, s: EngineState, tokens: int, waiting: bool = False) -> None:
+        s.outstanding -= 1
+        s.outstanding_tokens -= tokens
+        if waiting and s.waiting_on_prefill > 0:
+            s.waiting_on_prefill -= 1
+
+    def prefill_done(self, decode: EngineState) -> None:
+        if decode.waiting_on_prefill > 0:
+            decode.waiting_on_prefill -= 1
+
+    def describe(self, s: EngineState) -> dict:
+        return {
+            "url": s.info.url,
+            "role": s.info.role,
+            "engine_id": s.info.engine_id,
+            "healthy": s.healthy,
+            "error": s.error,
+            "served_models": s.served_models,
+            "outstanding": s.outstanding,
+            "outstanding_prompt_tokens": s.outstanding_tokens,
+            "waiting_on_prefill": s.waiting_on_prefill,
+        }

@@ -1,0 +1,50 @@
+"""A fake vLLM engine, only to inject faults a real engine cannot produce on demand:
+a hung upstream, a 500 in the middle of a stream, a slow first byte. The happy paths run
+against real engines (tests/e2e/test_proxy.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
+    app = FastAPI()
+    app.state.behavior = behavior
+    app.state.requests = []
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.requests.append(body)
+        behavior = app.state.behavior
+        if behavior == "hang":
+            await asyncio.sleep(3600)
+        if behavior == "500":
+            return JSONResponse({"error": {"message": "boom"}}, 500)
+        if behavior == "slow":
+            await asyncio.sleep(1.0)
+        if not body.get("stream"):
+            return {"choices": [{"text": "ok", "index": 0}], "kv_transfer_params": {"x": 1}}
+
+        async def events():
+            for i in range(3):
+                if behavior == "500-mid-stream" and i == 1:
+                    raise RuntimeError("engine failed mid-stream")
+                yield f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app

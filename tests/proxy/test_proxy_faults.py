@@ -1,0 +1,151 @@
+"""Proxy behaviour on bad input and on upstream faults (fake upstreams: see fake_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+
+from kvpush.proxy.app import create_app
+from kvpush.proxy.config import EngineInfo, ProxyConfig
+from kvpush.proxy.pool import EnginePool
+from tests.proxy.fake_engine import fake_engine
+from tests.servers import run_server
+
+
+@contextlib.contextmanager
+def proxied(prefill_behavior="ok", decode_behavior="ok", decode_model="tiny", **settings):
+    p_app, d_app = fake_engine("tiny", prefill_behavior), fake_engine(decode_model, decode_behavior)
+    with run_server(p_app) as p_url, run_server(d_app) as d_url:
+        engines = (EngineInfo(p_url, "prefill", "p0"), EngineInfo(d_url, "decode", "d0"))
+        config = ProxyConfig(engines=engines, **settings)
+        with run_server(create_app(config)) as url:
+            yield url, p_app, d_app
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "text"),
+    [
+        (b"not json", 400, "not JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens must be an integer >= 1"),
+        (b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
+        (b'{"prompt": "hi", "stream": "yes"}', 400, "stream must be"),
+        (b'{"prompt": 5}', 400, "prompt must be"),
+        (b'{"prompt": "hi", "kv_transfer_params": {}}', 400, "set by the proxy"),
+        (b'{"prompt": ["a", "b"]}', 400, "one prompt per request"),
+        (b'{"prompt": "hi", "model": "gpt-9"}', 404, "served: ['tiny']"),
+    ],
+)
+def test_bad_input_is_refused_without_touching_engines(body, status, text):
+    with proxied() as (url, p_app, d_app):
+        r = httpx.post(url + "/v1/completions", content=body)
+        assert r.status_code == status and text in r.json()["error"]["message"]
+        assert p_app.state.requests == [] and d_app.state.requests == []
+
+
+def test_push_legs_carry_the_params_and_prefill_makes_one_token():
+    with proxied() as (url, p_app, d_app):
+        r = httpx.post(
+            url + "/v1/completions", json={"prompt": "hi", "max_tokens": 9, "min_tokens": 3}
+        )
+        assert r.status_code == 200
+        (p_body,), (d_body,) = p_app.state.requests, d_app.state.requests
+        assert p_body["max_tokens"] == 1 and "min_tokens" not in p_body and not p_body["stream"]
+        tid = p_body["kv_transfer_params"]["transfer_id"]
+        assert d_body["kv_transfer_params"] == {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_engine_id": "p0",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "pp_size": 1,
+        }
+        assert d_body["max_tokens"] == 9
+
+
+def test_failed_prefill_returns_its_status_and_cancels_decode():
+    with proxied(prefill_behavior="500", decode_behavior="hang", request_timeout_s=30) as (
+        url,
+        _,
+        _,
+    ):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 500 and "prefill engine" in r.json()["error"]["message"]
+        status = httpx.get(url + "/status").json()
+        assert all(e["outstanding"] == 0 for e in status["engines"])
+
+
+def test_decode_500_becomes_502_naming_the_transfer():
+    with proxied(decode_behavior="500") as (url, _, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 502
+        assert "KV transfer failed for transfer_id" in r.json()["error"]["message"]
+
+
+def test_hung_upstream_times_out_instead_of_hanging():
+    with proxied(decode_behavior="hang", request_timeout_s=1.0) as (url, _, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 504 and "request_timeout_s=1.0" in r.json()["error"]["message"]
+
+
+def test_500_mid_stream_ends_the_stream_with_an_error():
+    with proxied(decode_behavior="500-mid-stream") as (url, _, _), httpx.stream(
+        "POST", url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=10
+    ) as r, pytest.raises(httpx.RemoteProtocolError):
+        r.read()
+
+
+def test_slow_first_byte_is_waited_for():
+    with proxied(decode_behavior="slow") as (url, _, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=10)
+        assert r.status_code == 200 and "[DONE]" in r.text
+
+
+def test_backpressure_answers_503_with_retry_after():
+    with proxied(max_decode_prompt_tokens=10) as (url, _, _):
+        r = httpx.post(url + "/v1/completions", json={"prompt": list(range(3, 50))})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+def test_start_up_refuses_a_served_model_name_mismatch():
+    with run_server(fake_engine("tiny")) as p_url, run_server(fake_engine("other")) as d_url:
+        config = ProxyConfig(engines=(EngineInfo(p_url, "prefill"), EngineInfo(d_url, "decode")))
+        with pytest.raises(RuntimeError, match="serves \\['tiny'\\].*serves \\['other'\\]"):
+            asyncio.run(EnginePool(config).start())
+
+
+def test_decode_engine_down_before_dispatch_is_skipped():
+    p_app, d_app = fake_engine(), fake_engine()
+    with run_server(p_app) as p_url, run_server(d_app) as d_url:
+        dead = "http://127.0.0.1:9"  # discard port: nothing listens
+        engines = (
+            EngineInfo(p_url, "prefill"),
+            EngineInfo(dead, "decode"),
+            EngineInfo(d_url, "decode"),
+        )
+        with run_server(create_app(ProxyConfig(engines=engines))) as url:
+            for _ in range(4):
+                assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
+            status = {e["url"]: e for e in httpx.get(url + "/status").json()["engines"]}
+            assert status[dead]["healthy"] is False
+            assert len(d_app.state.requests) == 4
+
+
+def test_pull_mode_sends_decode_what_prefill_returned():
+    with proxied(connector="nixl-pull") as (url, p_app, d_app):
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
+        assert d_app.state.requests[0]["kv_transfer_params"] == {"x": 1}
+
+
+def test_metrics_and_models_and_health():
+    with proxied() as (url, _, _):
+        httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+        text = httpx.get(url + "/metrics").text
+        assert 'kvpush_proxy_requests_total{mode="push",status="200"} 1.0' in text
+        assert "kvpush_proxy_decode_waiting_on_prefill" in text
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        assert httpx.get(url + "/health").status_code == 200
