@@ -28,6 +28,38 @@ def _proxy(args: argparse.Namespace) -> int:
     return cli.main(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from kvpush.bench import serve
+
+    return serve.main(args)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from kvpush.bench import plot
+
+    return plot.main(Path(args.results_dir), args.metric, args.stat)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvpush.launch import stack
+
+    spec = stack.spec_from_args(args)
+    describe = Path(args.describe_to) if args.describe_to else None
+    return stack.serve(spec, describe)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvpush.launch import stack
+
+    return stack.up(args.model, args.connector, args.prefill, args.decode, args.port, args.detach)
+
+
+def _down(args: argparse.Namespace) -> int:
+    from kvpush.launch import stack
+
+    return stack.down()
+
+
 def _demo(args: argparse.Namespace) -> int:
     from kvpush.launch import demo
 
@@ -53,6 +85,63 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--quick", action="store_true", help="a subset, under a minute")
     transfer.add_argument("--out", help="JSON file to write")
     transfer.set_defaults(func=_bench_transfer)
+    bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
+    bserve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,mono")
+    bserve.add_argument("--qps", default="1,4")
+    bserve.add_argument("--input-lens", default="256,1024")
+    bserve.add_argument("--output-lens", default="16")
+    bserve.add_argument("--iterations", type=int, default=1)
+    bserve.add_argument("--num-prompts", type=int, default=16)
+    bserve.add_argument("--results-dir", default="results/bench")
+    bserve.add_argument("--model", help="default: the embedded tiny model")
+    bserve.add_argument("--url", help="use this running endpoint (one connector) instead")
+    bserve.set_defaults(func=_bench_serve)
+
+    plot = sub.add_parser("plot", help="figures and summary.md from bench serve results")
+    plot.add_argument("results_dir")
+    plot.add_argument("--metric", choices=["ttft", "tpot", "itl", "e2el"], default="ttft")
+    plot.add_argument("--stat", choices=["mean", "median", "p99"], default="median")
+    plot.set_defaults(func=_plot)
+
+    serve = sub.add_parser("serve", help="start one vLLM engine with the right connector config")
+    serve.add_argument("--role", choices=["prefill", "decode", "mono"], required=True)
+    serve.add_argument(
+        "--connector", choices=["kvpush", "nixl-push", "nixl-pull"], default="kvpush"
+    )
+    serve.add_argument("--model", help="model path or name (default: the embedded tiny model)")
+    serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--kv-host", default="127.0.0.1", help="address the side channel binds")
+    serve.add_argument(
+        "--side-channel-port",
+        type=int,
+        default=5600,
+        help="prefill: base port (rank r listens on +r)",
+    )
+    serve.add_argument("--engine-id", help="default: <role>-<port>")
+    serve.add_argument("--block-size", type=int, default=32, help="CPU: a multiple of 32")
+    serve.add_argument("--kv-cache-gib", type=int, default=1, help="CPU KV-cache size (GiB)")
+    serve.add_argument("--cpu-bind", help="CPU OpenMP binding (default: prefill 0, decode 1)")
+    serve.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on, except on decode engines",
+    )
+    serve.add_argument("--describe-to", help="write the engine's description JSON here")
+    serve.add_argument("vllm_args", nargs="*", help="after --: extra vLLM arguments")
+    serve.set_defaults(func=_serve)
+
+    up = sub.add_parser("up", help="start prefill + decode engines and the proxy locally")
+    up.add_argument("--connector", choices=["kvpush", "nixl-push", "nixl-pull"], default="kvpush")
+    up.add_argument("--model", help="default: the embedded tiny model")
+    up.add_argument("--prefill", type=int, default=1, help="prefill engines (ports 8100...)")
+    up.add_argument("--decode", type=int, default=1, help="decode engines (ports 8200...)")
+    up.add_argument("--port", type=int, default=8000, help="the proxy's port")
+    up.add_argument("--detach", action="store_true", help="return once ready; `kvpush down`")
+    up.set_defaults(func=_up)
+
+    down = sub.add_parser("down", help="stop a stack started with `kvpush up --detach`")
+    down.set_defaults(func=_down)
 
     proxy = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy")
     from kvpush.proxy.cli import add_arguments

@@ -1,11 +1,42 @@
-"""`make demo`: the local stack, push vs pull TTFT side by side."""
+"""`make demo`: the local stack with kvpush, then with vLLM's pull connector; a few requests
+through the proxy each time; TTFT and TPOT side by side; everything stopped afterwards."""
 
 from __future__ import annotations
 
+import asyncio
+
+from kvpush.bench.load import run_load
+
+CONNECTORS = ("kvpush", "nixl-pull")
+NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN, QPS = 6, 1024, 16, 1.0
+
 
 def main() -> int:
-    print(
-        "kvpush demo: not yet. The local stack (`kvpush up`) and the proxy are still being built;\n"
-        "the transfer engine is ready: try `kvpush bench transfer --quick`."
-    )
-    return 0
+    from kvpush.bench.serve import mode_stack
+    from kvpush.launch import tinymodel
+    from kvpush.settings import SETTINGS
+
+    model = str(tinymodel.ensure())
+    rows = {}
+    for connector in CONNECTORS:
+        print(f"== {connector}: starting 1 prefill + 1 decode + proxy (about a minute)", flush=True)
+        stack = mode_stack(connector, model, SETTINGS.cache_dir / "logs")
+        stack.start()
+        try:
+            asyncio.run(run_load(stack.url, "tiny", QPS, INPUT_LEN, OUTPUT_LEN, 1, seed=0))  # warm
+            rows[connector] = asyncio.run(run_load(
+                stack.url, "tiny", QPS, INPUT_LEN, OUTPUT_LEN, NUM_REQUESTS, seed=1,
+                progress=f"{connector}: {NUM_REQUESTS} requests"))  # fmt: skip
+        finally:
+            stack.stop()
+    print(f"\n{NUM_REQUESTS} requests of {INPUT_LEN} prompt tokens, {OUTPUT_LEN} output tokens, "
+          f"{QPS:g} QPS, through the proxy, on this machine:")  # fmt: skip
+    print(f"{'connector':<10} {'TTFT median ms':>15} {'TTFT p99 ms':>12} {'TPOT median ms':>15}"
+          f" {'failed':>7}")  # fmt: skip
+    for connector, r in rows.items():
+        print(f"{connector:<10} {r['median_ttft_ms']:>15.1f} {r['p99_ttft_ms']:>12.1f} "
+              f"{r['median_tpot_ms']:>15.1f} {r['failed']:>7}")  # fmt: skip
+    if "kvpush" in rows and rows["nixl-pull"]["median_ttft_ms"]:
+        ratio = rows["kvpush"]["median_ttft_ms"] / rows["nixl-pull"]["median_ttft_ms"]
+        print(f"kvpush / pull TTFT: {ratio:.2f}")
+    return 0 if all(r["failed"] == 0 for r in rows.values()) else 1

@@ -1,0 +1,137 @@
+"""Load generator: Poisson arrivals of streaming completions with exact-length prompts.
+
+Per request it records TTFT (first streamed token), ITL (gaps between tokens), TPOT
+((E2EL - TTFT) / (output tokens - 1)) and E2EL, and summarises them with the field names
+`vllm bench serve` writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+RESERVED_IDS = 3  # the tiny model's special tokens are ids 0..2
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_ms: float = 0.0
+    e2el_ms: float = 0.0
+    itl_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+
+def random_prompt(num_tokens: int, rng: random.Random, vocab: int = 4096) -> list[int]:
+    """Distinct random token ids: no two requests share a prefix, so no cache helps."""
+    return [rng.randrange(RESERVED_IDS, vocab) for _ in range(num_tokens)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                      output_len: int) -> RequestResult:  # fmt: skip
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    start = time.perf_counter()
+    times: list[float] = []
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return RequestResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return RequestResult(False, error=str(event["error"])[:200])
+                if event.get("choices") and event["choices"][0].get("text") is not None:
+                    times.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        return RequestResult(False, error=f"{type(e).__name__}: {e}")
+    if not times:
+        return RequestResult(False, error="no tokens streamed")
+    ttft = (times[0] - start) * 1e3
+    itl = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
+    return RequestResult(True, ttft, (times[-1] - start) * 1e3, itl, len(times))
+
+
+async def run_load(url: str, model: str, qps: float, input_len: int, output_len: int,
+                   num_prompts: int, seed: int, progress: str = "") -> dict:  # fmt: skip
+    """Send `num_prompts` requests with exponential gaps (mean 1/qps); summarise."""
+    rng = random.Random(seed)
+    prompts = [random_prompt(input_len, rng) for _ in range(num_prompts)]
+    gaps = [rng.expovariate(qps) for _ in range(num_prompts)]
+    done = 0
+
+    async def fire(i: int) -> RequestResult:
+        nonlocal done
+        result = await one_request(client, url, model, prompts[i], output_len)
+        done += 1
+        if progress:
+            bar = "#" * (20 * done // num_prompts)
+            print(f"\r  {progress} [{bar:<20}] {done}/{num_prompts}", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        return result
+
+    limits = httpx.Limits(max_connections=num_prompts + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for i in range(num_prompts):
+            tasks.append(asyncio.create_task(fire(i)))
+            await asyncio.sleep(gaps[i])
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if progress:
+        print(file=sys.stderr)
+    return summarize(results, duration)
+
+
+def _stats(name: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"{k}_{name}_ms": 0.0 for k in ("mean", "median", "std", "p99")}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {
+        f"mean_{name}_ms": statistics.fmean(values),
+        f"median_{name}_ms": statistics.median(values),
+        f"std_{name}_ms": statistics.pstdev(values),
+        f"p99_{name}_ms": p99,
+    }
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_ms for r in ok]
+    tpots = [r.tpot_ms for r in ok if r.tpot_ms is not None]
+    itls = [x for r in ok for x in r.itl_ms]
+    e2els = [r.e2el_ms for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    summary: dict = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": [r.error for r in results if not r.ok][:10],
+        "duration": duration_s,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration_s if duration_s else 0.0,
+        "output_throughput": out_tokens / duration_s if duration_s else 0.0,
+    }
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        summary |= _stats(name, values)
+    summary |= {"ttfts": ttfts, "tpots": tpots, "itls": itls, "e2els": e2els,
+                "output_lens": [r.output_tokens for r in ok]}  # fmt: skip
+    return summary

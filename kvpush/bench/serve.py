@@ -1,0 +1,113 @@
+"""`kvpush bench serve`: the QPS x input-length sweep, one JSON per grid point.
+
+For each connector it brings up a local stack (or uses --url), runs every grid point with
+the same QPS, input and output lists, and writes
+`<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the results folder. `mono` is one plain
+engine with no disaggregation: the reference for what disaggregation itself costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from kvpush.bench.load import run_load
+
+ALL_MODES = ("kvpush", "nixl-push", "nixl-pull", "mono")
+# The default grid finishes in under 15 minutes on a 2-core host and still shows load build.
+DEFAULT_QPS = (1.0, 4.0)
+DEFAULT_INPUT_LENS = (256, 1024)
+DEFAULT_OUTPUT_LENS = (16,)
+DEFAULT_NUM_PROMPTS = 16
+
+
+def result_name(mode: str, qps: float, input_len: int, output_len: int, iteration: int) -> str:
+    q = f"{qps:g}"
+    return f"{mode}_qps{q}_in{input_len}_out{output_len}_iter{iteration}.json"
+
+
+def hardware() -> dict:
+    return {"machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)),
+            "platform": platform.platform(), "python": sys.version.split()[0]}  # fmt: skip
+
+
+def sweep(mode: str, url: str, qps_list: list[float], input_lens: list[int],
+          output_lens: list[int], iterations: int, num_prompts: int, results_dir: Path,
+          model: str = "tiny") -> list[Path]:  # fmt: skip
+    written = []
+    for it in range(iterations):
+        for q in qps_list:
+            for n_in in input_lens:
+                for n_out in output_lens:
+                    label = f"{mode} qps={q:g} in={n_in} out={n_out} iter={it}"
+                    summary = asyncio.run(
+                        run_load(
+                            url,
+                            model,
+                            q,
+                            n_in,
+                            n_out,
+                            num_prompts,
+                            seed=1000 * it + n_in,
+                            progress=label,
+                        )
+                    )
+                    summary |= {
+                        "mode": mode, "qps": q, "input_len": n_in, "output_len": n_out,
+                        "iteration": it, "num_prompts": num_prompts, "url": url,
+                        "hardware": hardware(), "created_unix_s": int(time.time()),
+                    }  # fmt: skip
+                    path = results_dir / result_name(mode, q, n_in, n_out, it)
+                    path.write_text(json.dumps(summary, indent=1))
+                    written.append(path)
+                    print(f"  {label}: ttft median {summary['median_ttft_ms']:.0f} ms, tpot "
+                          f"median {summary['median_tpot_ms']:.1f} ms, "
+                          f"{summary['failed']} failed", flush=True)  # fmt: skip
+    return written
+
+
+def mode_stack(mode: str, model: str, log_dir: Path) -> object:
+    """1 prefill + 1 decode behind the proxy, or one plain engine for `mono`."""
+    from kvpush.launch.engine import EngineSpec
+    from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
+
+    if mode == "mono":
+        spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono")
+        return Stack([spec], mode, PROXY_PORT, log_dir, with_proxy=False)
+    return Stack(stack_specs(model, mode, 1, 1), mode, PROXY_PORT, log_dir)
+
+
+def main(args: object) -> int:
+    from kvpush.launch import tinymodel
+    from kvpush.settings import SETTINGS
+
+    results_dir = Path(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    modes = [m.strip() for m in args.connectors.split(",")]
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        print(f"unknown connectors {bad}; choose from {ALL_MODES}")
+        return 2
+    grid = dict(qps_list=[float(q) for q in args.qps.split(",")],
+                input_lens=[int(x) for x in args.input_lens.split(",")],
+                output_lens=[int(x) for x in args.output_lens.split(",")],
+                iterations=args.iterations, num_prompts=args.num_prompts)  # fmt: skip
+    if args.url:
+        sweep(modes[0], args.url, results_dir=results_dir, **grid)
+        return 0
+    model = args.model or str(tinymodel.ensure())
+    for mode in modes:
+        print(f"kvpush bench serve: bringing up {mode}", flush=True)
+        stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs")
+        stack.start()
+        try:
+            sweep(mode, stack.url, results_dir=results_dir, **grid)
+        finally:
+            stack.stop()
+    print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
+    return 0

@@ -1,0 +1,264 @@
+"""`kvpush serve` (one engine) and `kvpush up` / `kvpush down` (a whole local stack).
+
+`up` starts prefill engines on 8100, 8101, ... (side channels 5600, 5610, ...), decode
+engines on 8200, 8201, ... and the proxy on 8000, waits for every /health, prints a ready
+line, and stops everything it started on Ctrl-C, SIGTERM or `kvpush down`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from kvpush.launch.engine import Engine, EngineSpec
+from kvpush.settings import SETTINGS
+
+PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8000
+SIDE_CHANNEL_PORT, SIDE_CHANNEL_STEP = 5600, 10  # room for TP ranks: base + rank
+
+
+def state_file() -> Path:
+    return SETTINGS.cache_dir / "stack.json"
+
+
+def serve(spec: EngineSpec, describe_to: Path | None) -> int:
+    """Run one engine in the foreground; print its command; write its description."""
+    print("kvpush serve:", spec.env_summary(), " ".join(spec.command()), flush=True)
+    if describe_to is not None:
+        describe_to.parent.mkdir(parents=True, exist_ok=True)
+        describe_to.write_text(json.dumps(spec.describe(), indent=2))
+        print(f"engine description written to {describe_to}", flush=True)
+    proc = subprocess.Popen(spec.command(), env=spec.env())
+    stop = _forward_signals(proc)
+    try:
+        return proc.wait()
+    finally:
+        stop()
+
+
+def _forward_signals(proc: subprocess.Popen) -> callable:
+    def handler(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+def stack_specs(
+    model: str, connector: str, num_prefill: int, num_decode: int, **engine_kw: object
+) -> list[EngineSpec]:
+    specs = []
+    for i in range(num_prefill):
+        side = SIDE_CHANNEL_PORT + SIDE_CHANNEL_STEP * i
+        specs.append(
+            EngineSpec(
+                "prefill",
+                model,
+                PREFILL_PORT + i,
+                connector=connector,
+                engine_id=f"prefill-{i}",
+                side_channel_port=side,
+                **engine_kw,
+            )
+        )
+    for i in range(num_decode):
+        side = SIDE_CHANNEL_PORT + SIDE_CHANNEL_STEP * (num_prefill + i)
+        specs.append(
+            EngineSpec(
+                "decode",
+                model,
+                DECODE_PORT + i,
+                connector=connector,
+                engine_id=f"decode-{i}",
+                side_channel_port=side,
+                **engine_kw,
+            )
+        )
+    return specs
+
+
+class Stack:
+    """Engines plus a proxy, all in their own process groups, stopped together."""
+
+    def __init__(self, specs: list[EngineSpec], connector: str, proxy_port: int, log_dir: Path,
+                 with_proxy: bool = True) -> None:  # fmt: skip
+        self.specs, self.connector, self.proxy_port = specs, connector, proxy_port
+        self.log_dir, self.with_proxy = log_dir, with_proxy
+        self.engines: list[Engine] = []
+        self.proxy: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """Where clients go: the proxy, or the one engine of a stack without one."""
+        return f"http://127.0.0.1:{self.proxy_port}" if self.with_proxy else self.specs[0].url
+
+    def start(self, timeout_s: float = 900) -> None:
+        try:
+            for spec in self.specs:
+                print(f"  {spec.role:7} {spec.url}  {spec.env_summary()}", flush=True)
+                self.engines.append(Engine(spec, self.log_dir / f"{spec.name}.log"))
+            self._write_state()
+            for engine in self.engines:
+                engine.wait_ready(timeout_s)
+            if self.with_proxy:
+                self._start_proxy()
+                _wait_http(self.url + "/health", timeout_s=60, proc=self.proxy)
+            self._write_state()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_proxy(self) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpush.cli",
+            "proxy",
+            "--connector",
+            self.connector,
+            "--port",
+            str(self.proxy_port),
+        ]
+        for spec in self.specs:
+            d = spec.describe()
+            opts = f"{d['url']},engine_id={d['engine_id']},kv_host={d['kv_host']}"
+            opts += f",side_channel_port={d['side_channel_port']},tp_size={d['tp_size']}"
+            cmd += [f"--{spec.role}", opts]
+        log = open(self.log_dir / "proxy.log", "ab")  # noqa: SIM115 - child keeps it
+        self.proxy = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def _write_state(self) -> None:
+        pids = [e.proc.pid for e in self.engines] + ([self.proxy.pid] if self.proxy else [])
+        state_file().parent.mkdir(parents=True, exist_ok=True)
+        state_file().write_text(json.dumps({"pgids": pids, "url": self.url}))
+
+    def stop(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            _stop_group(self.proxy.pid)
+            self.proxy.wait()
+        for engine in self.engines:
+            engine.stop()
+        with contextlib.suppress(FileNotFoundError):
+            state_file().unlink()
+
+
+def _stop_group(pgid: int, timeout_s: float = 20) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not healthy within {timeout_s} s")
+
+
+def up(
+    model: str | None,
+    connector: str,
+    num_prefill: int,
+    num_decode: int,
+    proxy_port: int,
+    detach: bool,
+) -> int:
+    from kvpush.launch import tinymodel
+
+    if state_file().exists():
+        print(f"a stack seems to be running ({state_file()}); run `kvpush down` first")
+        return 1
+    model = model or str(tinymodel.ensure())
+    specs = stack_specs(model, connector, num_prefill, num_decode)
+    log_dir = SETTINGS.cache_dir / "logs"
+    print(
+        f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",
+        flush=True,
+    )
+    stack = Stack(specs, connector, proxy_port, log_dir)
+    stack.start()
+    print(
+        f"kvpush ready: {stack.url}  try:\n  curl {stack.url}/v1/completions -H "
+        '\'content-type: application/json\' -d \'{"model": "tiny", "prompt": "Hello", '
+        '"max_tokens": 16}\'',
+        flush=True,
+    )
+    if detach:
+        return 0
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stopping:
+            time.sleep(0.5)
+    finally:
+        print("kvpush: stopping the stack", flush=True)
+        stack.stop()
+    return 0
+
+
+def down() -> int:
+    try:
+        state = json.loads(state_file().read_text())
+    except FileNotFoundError:
+        print("no kvpush stack is running")
+        return 0
+    for pgid in state["pgids"]:
+        _stop_group(pgid)
+    state_file().unlink(missing_ok=True)
+    print(f"stopped {len(state['pgids'])} process groups")
+    return 0
+
+
+def spec_from_args(args: object) -> EngineSpec:
+    from kvpush.launch import tinymodel
+
+    model = args.model or str(tinymodel.ensure())
+    spec = EngineSpec(
+        args.role,
+        model,
+        args.port,
+        connector=args.connector,
+        engine_id=args.engine_id or "",
+        kv_host=args.kv_host,
+        side_channel_port=args.side_channel_port,
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        cpu_bind=args.cpu_bind or "",
+        extra_args=tuple(args.vllm_args),
+    )
+    if args.prefix_caching is not None:
+        spec = replace(spec, prefix_caching=args.prefix_caching)
+    return spec
