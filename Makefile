@@ -41,8 +41,12 @@ test-fast: venv
 demo: venv
 	$(BIN)/kvpush demo
 
+# The figures in docs/benchmarks.md: the transfer micro-benchmark, then the default serving
+# grid for every connector (about 15 minutes on a 2-core host), then the plots.
 bench: venv
 	$(BIN)/kvpush bench transfer --out benchmarks/results/transfer_cpu.json
+	$(BIN)/kvpush bench serve --results-dir benchmarks/results/serve_cpu
+	$(BIN)/kvpush plot benchmarks/results/serve_cpu
 
 lint: venv
 	$(BIN)/ruff check kvpush tests

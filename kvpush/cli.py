@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     return int(args.func(args) or 0)
 
 

@@ -102,6 +102,7 @@ def _read(path: Path) -> dict[str, Any]:
 class EngineState:
     info: EngineInfo
     healthy: bool = True
+    missed_checks: int = 0
     served_models: list[str] = field(default_factory=list)
     error: str = ""
     outstanding: int = 0

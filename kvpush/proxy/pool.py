@@ -13,6 +13,7 @@ from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 
 log = logging.getLogger(__name__)
+HEALTH_TIMEOUT_S = 10.0  # a loaded 2-core host can take seconds to answer
 
 
 class EnginePool:
@@ -69,17 +70,23 @@ class EnginePool:
     async def _check(self, s: EngineState) -> None:
         client = self._clients[s.info.url]
         try:
-            r = await client.get("/health", timeout=5)
+            r = await client.get("/health", timeout=HEALTH_TIMEOUT_S)
             r.raise_for_status()
-            models = await client.get("/v1/models", timeout=5)
+            models = await client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
             s.served_models = [m["id"] for m in models.json()["data"]]
             if not s.healthy:
                 log.info("engine %s is healthy again", s.info.url)
             s.healthy, s.error = True, ""
         except (httpx.HTTPError, ValueError, KeyError) as e:
-            if s.healthy:
-                log.warning("engine %s is unhealthy: %s", s.info.url, e)
-            s.healthy, s.error = False, f"{type(e).__name__}: {e}"
+            # A busy engine can miss one check; a refused connection or three misses in a
+            # row take it out of rotation.
+            s.missed_checks += 1
+            s.error = f"{type(e).__name__}: {e}"
+            if s.healthy and (isinstance(e, httpx.ConnectError) or s.missed_checks >= 3):
+                log.warning("engine %s is unhealthy: %s", s.info.url, s.error)
+                s.healthy = False
+            return
+        s.missed_checks = 0
 
     def mark_failed(self, url: str, error: Exception) -> None:
         """A connection to this engine failed: skip it until a health check passes."""

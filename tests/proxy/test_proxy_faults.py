@@ -93,9 +93,13 @@ def test_hung_upstream_times_out_instead_of_hanging():
 
 
 def test_500_mid_stream_ends_the_stream_with_an_error():
-    with proxied(decode_behavior="500-mid-stream") as (url, _, _), httpx.stream(
-        "POST", url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=10
-    ) as r, pytest.raises(httpx.RemoteProtocolError):
+    with (
+        proxied(decode_behavior="500-mid-stream") as (url, _, _),
+        httpx.stream(
+            "POST", url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=10
+        ) as r,
+        pytest.raises(httpx.RemoteProtocolError),
+    ):
         r.read()
 
 

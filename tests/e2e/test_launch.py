@@ -1,0 +1,128 @@
+"""`kvpush serve` starts each of the three connectors; one request goes through a 1P1D pair
+behind the proxy, which reads the description files `kvpush serve` writes. Then `kvpush up`
+and `kvpush down` leave no process and no listening port behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import free_port
+from tests.servers import free_port as free_proxy_port
+
+pytestmark = pytest.mark.e2e
+KVPUSH = [sys.executable, "-m", "kvpush.cli"]
+
+
+def wait_health(url: str, procs: list[subprocess.Popen], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"a process exited with {p.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.mark.parametrize("connector", ["kvpush", "nixl-pull", "nixl-push"])
+def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_path):
+    procs, side = [], free_port()
+    ports = {"prefill": free_port(), "decode": free_port()}
+    logs = []
+    try:
+        for role, port in ports.items():
+            desc = tmp_path / f"{role}.json"
+            cmd = KVPUSH + ["serve", "--role", role, "--connector", connector, "--model",
+                            str(tiny_model), "--port", str(port), "--side-channel-port",
+                            str(side if role == "prefill" else free_port()),
+                            "--describe-to", str(desc)]  # fmt: skip
+            log = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
+        for port in ports.values():
+            wait_health(f"http://127.0.0.1:{port}", procs)
+        first_line = (tmp_path / "prefill.log").read_text().splitlines()[0]
+        assert first_line.startswith("kvpush serve: VLLM_CPU_KVCACHE_SPACE=1")
+        assert "--block-size 32" in first_line and "VLLM_CPU_OMP_THREADS_BIND=0" in first_line
+        assert json.loads((tmp_path / "prefill.json").read_text())["side_channel_port"] == side
+        proxy_port = free_proxy_port()
+        proxy = subprocess.Popen(KVPUSH + ["proxy", "--connector", connector, "--port",
+                                           str(proxy_port), "--engine-file",
+                                           str(tmp_path / "prefill.json"), "--engine-file",
+                                           str(tmp_path / "decode.json")],
+                                 start_new_session=True)  # fmt: skip
+        procs.append(proxy)
+        url = f"http://127.0.0.1:{proxy_port}"
+        wait_health(url, procs, timeout_s=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            json={"model": "tiny", "prompt": "Hello there", "max_tokens": 8},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"]
+    finally:
+        stop(procs)
+        for log in logs:
+            log.close()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_up_and_down_leave_no_process_and_no_port(tmp_path):
+    env = dict(os.environ, KVPUSH_CACHE_DIR=str(tmp_path / "cache"))
+    ports = [8000, 8100, 8200, 5600]
+    if any(listening(p) for p in ports):
+        pytest.skip(f"one of the stack's fixed ports {ports} is taken on this machine")
+    up = subprocess.run(KVPUSH + ["up", "--detach"], env=env, capture_output=True, text=True,
+                        timeout=900)  # fmt: skip
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "kvpush ready: http://127.0.0.1:8000" in up.stdout
+    state = json.loads((tmp_path / "cache" / "stack.json").read_text())
+    r = httpx.post(
+        "http://127.0.0.1:8000/v1/completions",
+        timeout=120,
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 4},
+    )
+    assert r.status_code == 200
+    down = subprocess.run(KVPUSH + ["down"], env=env, capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not any(group_alive(pgid) for pgid in state["pgids"])
+    time.sleep(1)
+    assert not any(listening(p) for p in ports), [p for p in ports if listening(p)]

@@ -1,0 +1,92 @@
+"""The proxy in front of real engines: two prefill engines with different engine ids (the case
+vLLM's demo proxy gets wrong), streaming and chat, and a client that goes away mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from kvpush.proxy.app import create_app
+from kvpush.proxy.config import EngineInfo, ProxyConfig
+from tests.e2e.client import abort_after, body, plain, post, text_of, wait_idle
+from tests.e2e.conftest import free_port, start
+from tests.servers import run_server
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def proxy_url(engines):
+    spec = engines["prefill"].spec
+    side = free_port()
+    other = replace(spec, port=free_port(), engine_id=f"prefill-b-{side}", side_channel_port=side,
+                    block_size=64)  # fmt: skip
+    (second,) = start(other)
+    infos = [
+        EngineInfo(e.spec.url, "prefill", e.spec.name, "127.0.0.1", e.spec.side_channel_port)
+        for e in (engines["prefill"], second)
+    ] + [EngineInfo(engines["decode"].spec.url, "decode", engines["decode"].spec.name)]
+    with run_server(create_app(ProxyConfig(engines=tuple(infos)))) as url:
+        yield url, [engines["prefill"].spec.url, second.spec.url], engines["decode"].spec.url
+    second.stop()
+
+
+def transfers(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^kvpush:transfers_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
+
+
+def test_two_prefill_engines_each_request_decodes_right(proxy_url, mono_url):
+    url, prefill_urls, _ = proxy_url
+    before = [transfers(u) for u in prefill_urls]
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            for i in range(6):
+                p = tokens(200 + 50 * i, 300 + i)
+                want = await plain(c, mono_url, p, 12)
+                got = await post(c, url, body(p, 12))
+                assert text_of(got) == text_of(want), f"request {i}"
+
+    asyncio.run(go())
+    after = [transfers(u) for u in prefill_urls]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [3, 3]  # round-robin
+
+
+@pytest.mark.parametrize(("chat", "stream"), [(False, True), (True, False), (True, True)])
+def test_streaming_and_chat_through_the_proxy(proxy_url, mono_url, chat, stream):
+    url, _, _ = proxy_url
+    prompt = "Return the number of items in the list, counting nested lists once. " * 5
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            want = await plain(c, mono_url, prompt, 12, chat=chat, stream=stream)
+            got = await post(c, url, body(prompt, 12, chat=chat, stream=stream), chat=chat)
+            return text_of(want), text_of(got)
+
+    want, got = asyncio.run(go())
+    assert got == want
+
+
+def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
+    url, prefill_urls, decode_url = proxy_url
+
+    async def go():
+        async with httpx.AsyncClient() as c:
+            b = body(tokens(500, 9), 400, stream=True, ignore_eos=True)
+            await abort_after(post(c, url, b), 1.5)  # mid-decode
+
+    asyncio.run(go())
+    wait_idle(*prefill_urls, decode_url, timeout_s=3)
+    status = httpx.get(url + "/status").json()
+    assert all(e["outstanding"] == 0 for e in status["engines"])
