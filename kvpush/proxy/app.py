@@ -105,7 +105,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         tokens = estimate_prompt_tokens(body, chat)
         prefill, decode = pool.pick("prefill", tokens), pool.pick("decode", tokens)
         transfer_id = uuid.uuid4().hex
-        headers = headers | {"X-Request-Id": f"kvpush-{uuid.uuid4().hex}"}
+        request_id = f"kvpush-{uuid.uuid4().hex}"
+        headers = headers | {"X-Request-Id": request_id}
         p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
         info = prefill.info
         d_body = body | {
@@ -117,6 +118,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 "remote_port": info.side_channel_port,
                 "tp_size": info.tp_size,
                 "pp_size": info.pp_size,
+                # vLLM's NixlPushConnector pairs on the id prefill's engine gives the request
+                "remote_request_id": f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}-0",
             }
         }
         pool.acquire(prefill, tokens)
