@@ -40,6 +40,9 @@ def sweep(mode: str, url: str, qps_list: list[float], input_lens: list[int],
           output_lens: list[int], iterations: int, num_prompts: int, results_dir: Path,
           model: str = "tiny") -> list[Path]:  # fmt: skip
     written = []
+    # Warm-up, not recorded: the first requests of each length pay one-time compilation.
+    for n_in in input_lens:
+        asyncio.run(run_load(url, model, 2.0, n_in, output_lens[0], 3, seed=7))
     for it in range(iterations):
         for q in qps_list:
             for n_in in input_lens:

@@ -163,6 +163,23 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+              what: str = "") -> None:  # fmt: skip
+    """Poll `url` until it answers 200; fail early if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what or url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{what or url} not healthy within {timeout_s} s")
+
+
 class Engine:
     """A running vLLM server (its own process group), stopped with everything it started."""
 
@@ -180,21 +197,10 @@ class Engine:
         )
 
     def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.spec.name} exited with {self.proc.returncode}; log: {self.log_path}\n"
-                    + self.log_tail()
-                )
-            try:
-                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.spec.name} not healthy within {timeout_s} s: {self.log_path}")
+        try:
+            wait_http(self.spec.url + "/health", timeout_s, self.proc, self.spec.name)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}; log: {self.log_path}\n{self.log_tail()}") from None
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         data = self.log_path.read_bytes()

@@ -14,11 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from kvpush.launch.engine import Engine, EngineSpec
+from kvpush.launch.engine import Engine, EngineSpec, wait_http
 from kvpush.settings import SETTINGS
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8000
@@ -111,7 +110,7 @@ class Stack:
                 engine.wait_ready(timeout_s)
             if self.with_proxy:
                 self._start_proxy()
-                _wait_http(self.url + "/health", timeout_s=60, proc=self.proxy)
+                wait_http(self.url + "/health", 60, self.proxy, "proxy")
             self._write_state()
         except BaseException:
             self.stop()
@@ -165,21 +164,6 @@ def _stop_group(pgid: int, timeout_s: float = 20) -> None:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-
-
-def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy within {timeout_s} s")
 
 
 def up(

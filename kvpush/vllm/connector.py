@@ -45,7 +45,7 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PushMetadata)
-        self._worker.start(meta.actions)
+        self._worker.start(meta.actions, meta.idle_step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -112,7 +112,7 @@ class KVPushConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None

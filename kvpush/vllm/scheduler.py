@@ -85,8 +85,9 @@ class PushScheduler:
         self._loading[rid] = expect
 
     # -- both -----------------------------------------------------------------------------
-    def build_connector_meta(self) -> m.PushMetadata:
-        meta = m.PushMetadata(self._actions)
+    def build_connector_meta(self, scheduler_output: Any) -> m.PushMetadata:
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        meta = m.PushMetadata(self._actions, idle_step=idle)
         self._actions = []
         return meta
 
