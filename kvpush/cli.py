@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+    # SIGTERM unwinds like Ctrl-C, so every stack a command started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return int(args.func(args) or 0)
 
 

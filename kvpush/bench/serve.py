@@ -56,7 +56,7 @@ def sweep(mode: str, url: str, qps_list: list[float], input_lens: list[int],
                             n_in,
                             n_out,
                             num_prompts,
-                            seed=1000 * it + n_in,
+                            seed=hash((it, q, n_in, n_out)) % 2**31,  # distinct per point
                             progress=label,
                         )
                     )
