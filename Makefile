@@ -45,6 +45,7 @@ demo: venv
 # grid for every connector (about 15 minutes on a 2-core host), then the plots.
 bench: venv
 	$(BIN)/kvpush bench transfer --out benchmarks/results/transfer_cpu.json
+	$(BIN)/kvpush bench proxy --out benchmarks/results/proxy_cpu.json
 	$(BIN)/kvpush bench serve --results-dir benchmarks/results/serve_cpu
 	$(BIN)/kvpush plot benchmarks/results/serve_cpu
 

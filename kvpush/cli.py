@@ -29,6 +29,12 @@ def _proxy(args: argparse.Namespace) -> int:
     return cli.main(args)
 
 
+def _bench_proxy(args: argparse.Namespace) -> int:
+    from kvpush.bench import proxy
+
+    return proxy.main(out=Path(args.out) if args.out else None)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from kvpush.bench import serve
 
@@ -86,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--quick", action="store_true", help="a subset, under a minute")
     transfer.add_argument("--out", help="JSON file to write")
     transfer.set_defaults(func=_bench_transfer)
+    bproxy = bench_sub.add_parser("proxy", help="the proxy's added latency and requests/s")
+    bproxy.add_argument("--out", help="JSON file to write")
+    bproxy.set_defaults(func=_bench_proxy)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
     bserve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,mono")
     bserve.add_argument("--qps", default="1,4")

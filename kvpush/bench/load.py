@@ -41,10 +41,18 @@ def random_prompt(num_tokens: int, rng: random.Random, vocab: int = 4096) -> lis
     return [rng.randrange(RESERVED_IDS, vocab) for _ in range(num_tokens)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                      output_len: int) -> RequestResult:  # fmt: skip
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "min_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     times: list[float] = []
     try:
@@ -69,8 +77,16 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return RequestResult(True, ttft, (times[-1] - start) * 1e3, itl, len(times))
 
 
-async def run_load(url: str, model: str, qps: float, input_len: int, output_len: int,
-                   num_prompts: int, seed: int, progress: str = "") -> dict:  # fmt: skip
+async def run_load(
+    url: str,
+    model: str,
+    qps: float,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    seed: int,
+    progress: str = "",
+) -> dict:
     """Send `num_prompts` requests with exponential gaps (mean 1/qps); summarise."""
     rng = random.Random(seed)
     prompts = [random_prompt(input_len, rng) for _ in range(num_prompts)]
@@ -83,8 +99,12 @@ async def run_load(url: str, model: str, qps: float, input_len: int, output_len:
         done += 1
         if progress:
             bar = "#" * (20 * done // num_prompts)
-            print(f"\r  {progress} [{bar:<20}] {done}/{num_prompts}", end="", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"\r  {progress} [{bar:<20}] {done}/{num_prompts}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
         return result
 
     limits = httpx.Limits(max_connections=num_prompts + 8)
@@ -132,6 +152,11 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         summary |= _stats(name, values)
-    summary |= {"ttfts": ttfts, "tpots": tpots, "itls": itls, "e2els": e2els,
-                "output_lens": [r.output_tokens for r in ok]}  # fmt: skip
+    summary |= {
+        "ttfts": ttfts,
+        "tpots": tpots,
+        "itls": itls,
+        "e2els": e2els,
+        "output_lens": [r.output_tokens for r in ok],
+    }
     return summary

@@ -19,8 +19,9 @@ def load(results_dir: Path) -> dict[tuple, list[dict]]:
         r = json.loads(path.read_text())
         points[(r["mode"], r["qps"], r["input_len"], r["output_len"])].append(r)
     if not points:
-        raise FileNotFoundError(f"no result files (<mode>_qps<q>_in<in>_out<out>_iter<i>.json) "
-                                f"in {results_dir}")  # fmt: skip
+        raise FileNotFoundError(
+            f"no result files (<mode>_qps<q>_in<in>_out<out>_iter<i>.json) in {results_dir}"
+        )
     return points
 
 
@@ -32,8 +33,9 @@ def figure(points: dict[tuple, list[dict]], metric: str, stat: str, out: Path) -
 
     key = f"{stat}_{metric}_ms"
     qps_levels = sorted({k[1] for k in points})
-    fig, axes = plt.subplots(1, len(qps_levels), figsize=(4.5 * len(qps_levels), 3.6),
-                             squeeze=False, sharey=True)  # fmt: skip
+    fig, axes = plt.subplots(
+        1, len(qps_levels), figsize=(4.5 * len(qps_levels), 3.6), squeeze=False, sharey=True
+    )
     modes = [m for m in MODE_ORDER if any(k[0] == m for k in points)]
     for ax, qps in zip(axes[0], qps_levels, strict=True):
         for mode in modes:
@@ -75,8 +77,12 @@ def summary(points: dict[tuple, list[dict]], stat: str) -> str:
         head = ["QPS", "input", "output", *[f"{m} ms" for m in modes]]
         if "kvpush" in modes:
             head += [f"kvpush/{m}" for m in others]
-        lines += [f"## {metric.upper()}", "", "| " + " | ".join(head) + " |",
-                  "|" + "---|" * len(head)]  # fmt: skip
+        lines += [
+            f"## {metric.upper()}",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         for qps, n_in, n_out in grid:
             value = {}
             for m in modes:

@@ -32,13 +32,25 @@ def result_name(mode: str, qps: float, input_len: int, output_len: int, iteratio
 
 
 def hardware() -> dict:
-    return {"machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": sys.version.split()[0]}  # fmt: skip
+    return {
+        "machine": platform.machine(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+    }
 
 
-def sweep(mode: str, url: str, qps_list: list[float], input_lens: list[int],
-          output_lens: list[int], iterations: int, num_prompts: int, results_dir: Path,
-          model: str = "tiny") -> list[Path]:  # fmt: skip
+def sweep(
+    mode: str,
+    url: str,
+    qps_list: list[float],
+    input_lens: list[int],
+    output_lens: list[int],
+    iterations: int,
+    num_prompts: int,
+    results_dir: Path,
+    model: str = "tiny",
+) -> list[Path]:
     written = []
     # Warm-up, not recorded: the first requests of each length pay one-time compilation.
     for n_in in input_lens:
@@ -61,16 +73,25 @@ def sweep(mode: str, url: str, qps_list: list[float], input_lens: list[int],
                         )
                     )
                     summary |= {
-                        "mode": mode, "qps": q, "input_len": n_in, "output_len": n_out,
-                        "iteration": it, "num_prompts": num_prompts, "url": url,
-                        "hardware": hardware(), "created_unix_s": int(time.time()),
-                    }  # fmt: skip
+                        "mode": mode,
+                        "qps": q,
+                        "input_len": n_in,
+                        "output_len": n_out,
+                        "iteration": it,
+                        "num_prompts": num_prompts,
+                        "url": url,
+                        "hardware": hardware(),
+                        "created_unix_s": int(time.time()),
+                    }
                     path = results_dir / result_name(mode, q, n_in, n_out, it)
                     path.write_text(json.dumps(summary, indent=1))
                     written.append(path)
-                    print(f"  {label}: ttft median {summary['median_ttft_ms']:.0f} ms, tpot "
-                          f"median {summary['median_tpot_ms']:.1f} ms, "
-                          f"{summary['failed']} failed", flush=True)  # fmt: skip
+                    print(
+                        f"  {label}: ttft median {summary['median_ttft_ms']:.0f} ms, tpot "
+                        f"median {summary['median_tpot_ms']:.1f} ms, "
+                        f"{summary['failed']} failed",
+                        flush=True,
+                    )
     return written
 
 
@@ -96,10 +117,13 @@ def main(args: object) -> int:
     if bad:
         print(f"unknown connectors {bad}; choose from {ALL_MODES}")
         return 2
-    grid = dict(qps_list=[float(q) for q in args.qps.split(",")],
-                input_lens=[int(x) for x in args.input_lens.split(",")],
-                output_lens=[int(x) for x in args.output_lens.split(",")],
-                iterations=args.iterations, num_prompts=args.num_prompts)  # fmt: skip
+    grid = dict(
+        qps_list=[float(q) for q in args.qps.split(",")],
+        input_lens=[int(x) for x in args.input_lens.split(",")],
+        output_lens=[int(x) for x in args.output_lens.split(",")],
+        iterations=args.iterations,
+        num_prompts=args.num_prompts,
+    )
     if args.url:
         sweep(modes[0], args.url, results_dir=results_dir, **grid)
         return 0

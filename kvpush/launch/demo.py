@@ -24,18 +24,33 @@ def main() -> int:
         stack.start()
         try:
             asyncio.run(run_load(stack.url, "tiny", QPS, INPUT_LEN, OUTPUT_LEN, 1, seed=0))  # warm
-            rows[connector] = asyncio.run(run_load(
-                stack.url, "tiny", QPS, INPUT_LEN, OUTPUT_LEN, NUM_REQUESTS, seed=1,
-                progress=f"{connector}: {NUM_REQUESTS} requests"))  # fmt: skip
+            rows[connector] = asyncio.run(
+                run_load(
+                    stack.url,
+                    "tiny",
+                    QPS,
+                    INPUT_LEN,
+                    OUTPUT_LEN,
+                    NUM_REQUESTS,
+                    seed=1,
+                    progress=f"{connector}: {NUM_REQUESTS} requests",
+                )
+            )
         finally:
             stack.stop()
-    print(f"\n{NUM_REQUESTS} requests of {INPUT_LEN} prompt tokens, {OUTPUT_LEN} output tokens, "
-          f"{QPS:g} QPS, through the proxy, on this machine:")  # fmt: skip
-    print(f"{'connector':<10} {'TTFT median ms':>15} {'TTFT p99 ms':>12} {'TPOT median ms':>15}"
-          f" {'failed':>7}")  # fmt: skip
+    print(
+        f"\n{NUM_REQUESTS} requests of {INPUT_LEN} prompt tokens, {OUTPUT_LEN} output tokens, "
+        f"{QPS:g} QPS, through the proxy, on this machine:"
+    )
+    print(
+        f"{'connector':<10} {'TTFT median ms':>15} {'TTFT p99 ms':>12} {'TPOT median ms':>15}"
+        f" {'failed':>7}"
+    )
     for connector, r in rows.items():
-        print(f"{connector:<10} {r['median_ttft_ms']:>15.1f} {r['p99_ttft_ms']:>12.1f} "
-              f"{r['median_tpot_ms']:>15.1f} {r['failed']:>7}")  # fmt: skip
+        print(
+            f"{connector:<10} {r['median_ttft_ms']:>15.1f} {r['p99_ttft_ms']:>12.1f} "
+            f"{r['median_tpot_ms']:>15.1f} {r['failed']:>7}"
+        )
     if "kvpush" in rows and rows["nixl-pull"]["median_ttft_ms"]:
         ratio = rows["kvpush"]["median_ttft_ms"] / rows["nixl-pull"]["median_ttft_ms"]
         print(f"kvpush / pull TTFT: {ratio:.2f}")

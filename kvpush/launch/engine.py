@@ -163,8 +163,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
-              what: str = "") -> None:  # fmt: skip
+def wait_http(
+    url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = ""
+) -> None:
     """Poll `url` until it answers 200; fail early if `proc` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

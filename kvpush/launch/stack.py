@@ -88,8 +88,14 @@ def stack_specs(
 class Stack:
     """Engines plus a proxy, all in their own process groups, stopped together."""
 
-    def __init__(self, specs: list[EngineSpec], connector: str, proxy_port: int, log_dir: Path,
-                 with_proxy: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        specs: list[EngineSpec],
+        connector: str,
+        proxy_port: int,
+        log_dir: Path,
+        with_proxy: bool = True,
+    ) -> None:
         self.specs, self.connector, self.proxy_port = specs, connector, proxy_port
         self.log_dir, self.with_proxy = log_dir, with_proxy
         self.engines: list[Engine] = []

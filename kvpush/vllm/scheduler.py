@@ -49,7 +49,9 @@ class PushScheduler:
                 )
         except ParamsError as e:
             if rid not in self._refused:
-                log.warning("kvpush: request %s refused: %s", rid, e)
+                tid = (request.kv_transfer_params or {}).get("transfer_id") if isinstance(
+                    request.kv_transfer_params, dict) else None  # fmt: skip
+                log.warning("kvpush: request %s (transfer_id %s) refused: %s", rid, tid, e)
                 self._refused[rid] = str(e)
             return need, True
         if params is None:

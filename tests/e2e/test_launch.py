@@ -56,14 +56,26 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
     try:
         for role, port in ports.items():
             desc = tmp_path / f"{role}.json"
-            cmd = KVPUSH + ["serve", "--role", role, "--connector", connector, "--model",
-                            str(tiny_model), "--port", str(port), "--side-channel-port",
-                            str(side if role == "prefill" else free_port()),
-                            "--describe-to", str(desc)]  # fmt: skip
+            cmd = KVPUSH + [
+                "serve",
+                "--role",
+                role,
+                "--connector",
+                connector,
+                "--model",
+                str(tiny_model),
+                "--port",
+                str(port),
+                "--side-channel-port",
+                str(side if role == "prefill" else free_port()),
+                "--describe-to",
+                str(desc),
+            ]
             log = open(tmp_path / f"{role}.log", "wb")  # noqa: SIM115
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
         for port in ports.values():
             wait_health(f"http://127.0.0.1:{port}", procs)
         first_line = (tmp_path / "prefill.log").read_text().splitlines()[0]
@@ -71,11 +83,21 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
         assert "--block-size 32" in first_line and "VLLM_CPU_OMP_THREADS_BIND=0" in first_line
         assert json.loads((tmp_path / "prefill.json").read_text())["side_channel_port"] == side
         proxy_port = free_proxy_port()
-        proxy = subprocess.Popen(KVPUSH + ["proxy", "--connector", connector, "--port",
-                                           str(proxy_port), "--engine-file",
-                                           str(tmp_path / "prefill.json"), "--engine-file",
-                                           str(tmp_path / "decode.json")],
-                                 start_new_session=True)  # fmt: skip
+        proxy = subprocess.Popen(
+            KVPUSH
+            + [
+                "proxy",
+                "--connector",
+                connector,
+                "--port",
+                str(proxy_port),
+                "--engine-file",
+                str(tmp_path / "prefill.json"),
+                "--engine-file",
+                str(tmp_path / "decode.json"),
+            ],
+            start_new_session=True,
+        )
         procs.append(proxy)
         url = f"http://127.0.0.1:{proxy_port}"
         wait_health(url, procs, timeout_s=60)
@@ -110,8 +132,9 @@ def test_up_and_down_leave_no_process_and_no_port(tmp_path):
     ports = [8000, 8100, 8200, 5600]
     if any(listening(p) for p in ports):
         pytest.skip(f"one of the stack's fixed ports {ports} is taken on this machine")
-    up = subprocess.run(KVPUSH + ["up", "--detach"], env=env, capture_output=True, text=True,
-                        timeout=900)  # fmt: skip
+    up = subprocess.run(
+        KVPUSH + ["up", "--detach"], env=env, capture_output=True, text=True, timeout=900
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     assert "kvpush ready: http://127.0.0.1:8000" in up.stdout
     state = json.loads((tmp_path / "cache" / "stack.json").read_text())

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.e2e
 def proxy_url(engines):
     spec = engines["prefill"].spec
     side = free_port()
-    other = replace(spec, port=free_port(), engine_id=f"prefill-b-{side}", side_channel_port=side,
-                    block_size=64)  # fmt: skip
+    other = replace(
+        spec, port=free_port(), engine_id=f"prefill-b-{side}", side_channel_port=side, block_size=64
+    )
     (second,) = start(other)
     infos = [
         EngineInfo(e.spec.url, "prefill", e.spec.name, "127.0.0.1", e.spec.side_channel_port)
@@ -90,3 +91,43 @@ def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
     wait_idle(*prefill_urls, decode_url, timeout_s=3)
     status = httpx.get(url + "/status").json()
     assert all(e["outstanding"] == 0 for e in status["engines"])
+
+
+def test_bench_result_files_follow_the_contract(proxy_url, tmp_path):
+    """A short real sweep through the proxy: file names and the fields vllm bench serve writes."""
+    import json
+
+    from kvpush.bench.serve import sweep
+
+    url, _, _ = proxy_url
+    paths = sweep(
+        "kvpush", url, [4.0], [64], [4], iterations=1, num_prompts=4, results_dir=tmp_path
+    )
+    assert [p.name for p in paths] == ["kvpush_qps4_in64_out4_iter0.json"]
+    data = json.loads(paths[0].read_text())
+    for field in (
+        "completed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "median_e2el_ms",
+        "p99_e2el_ms",
+        "ttfts",
+        "itls",
+        "e2els",
+        "hardware",
+        "qps",
+        "input_len",
+        "output_len",
+    ):
+        assert field in data, field
+    assert data["completed"] == 4 and data["failed"] == 0
+    assert data["output_lens"] == [4, 4, 4, 4]

@@ -8,8 +8,14 @@ from kvpush.transfer.wire import TransferKey
 from kvpush.vllm.params import ParamsError, external_request_id, parse
 from kvpush.vllm.validate import check_body
 
-DECODE = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 5600, "tp_size": 2,
-          "remote_engine_id": "p0", "transfer_id": "t1"}  # fmt: skip
+DECODE = {
+    "do_remote_prefill": True,
+    "remote_host": "h",
+    "remote_port": 5600,
+    "tp_size": 2,
+    "remote_engine_id": "p0",
+    "transfer_id": "t1",
+}
 
 
 def test_plain_requests_are_not_disaggregated():

@@ -1,0 +1,48 @@
+"""Figures and summary.md from a fixture results folder (no engines)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpush.bench import plot
+from kvpush.bench.serve import result_name
+
+
+def write_point(folder, mode, qps, n_in, it, ttft, tpot):
+    data = {
+        "mode": mode,
+        "qps": qps,
+        "input_len": n_in,
+        "output_len": 16,
+        "iteration": it,
+        "median_ttft_ms": ttft,
+        "median_tpot_ms": tpot,
+        "mean_ttft_ms": ttft,
+        "mean_tpot_ms": tpot,
+        "p99_ttft_ms": ttft,
+        "p99_tpot_ms": tpot,
+        "hardware": {"cpus": 2, "machine": "x86_64", "platform": "test"},
+    }
+    (folder / result_name(mode, qps, n_in, 16, it)).write_text(json.dumps(data))
+
+
+def test_plot_writes_figures_and_a_summary_with_ratios(tmp_path):
+    for it in range(2):
+        for qps in (1.0, 4.0):
+            for n_in in (256, 1024):
+                write_point(tmp_path, "kvpush", qps, n_in, it, 100.0 + it * 10, 10.0)
+                write_point(tmp_path, "nixl-pull", qps, n_in, it, 200.0 + it * 10, 40.0)
+    assert plot.main(tmp_path, "ttft", "median") == 0
+    assert (tmp_path / "ttft_median.png").stat().st_size > 1000
+    assert (tmp_path / "tpot_median.png").exists()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| QPS | input | output | kvpush ms | nixl-pull ms | kvpush/nixl-pull |" in summary
+    assert "| 1 | 256 | 16 | 105.0 | 205.0 | 0.51 |" in summary  # averaged over iterations
+    assert "| 4 | 1024 | 16 | 10.0 | 40.0 | 0.25 |" in summary
+
+
+def test_plot_names_the_expected_file_pattern_when_empty(tmp_path):
+    with pytest.raises(FileNotFoundError, match="_qps<q>_in<in>_out<out>_iter<i>.json"):
+        plot.load(tmp_path)

@@ -1,0 +1,42 @@
+"""Start-up refusals name the setting (no engine: vLLM's config objects are stood in for by
+namespaces with the same attributes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvpush.vllm.config import ConnectorConfig
+
+
+def vllm_config(role="kv_producer", pp=1, mla=False, hybrid=False, extra=None, engine_id="p0"):
+    kv = SimpleNamespace(kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra or {})
+    return SimpleNamespace(
+        kv_transfer_config=kv,
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        model_config=SimpleNamespace(use_mla=mla, is_hybrid=hybrid, model="m"),
+    )
+
+
+def test_defaults():
+    c = ConnectorConfig.from_vllm(vllm_config())
+    assert c.is_prefill and c.side_channel_port == 5600 and c.lease_s == 30.0
+    assert c.backends == ("UCX",) and c.dead_after_s == 5.0
+    assert ConnectorConfig.from_vllm(vllm_config("kv_consumer")).side_channel_port == 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"pp": 2}, "pipeline parallel yet \\(pipeline_parallel_size=2\\)"),
+        ({"mla": True}, "MLA"),
+        ({"hybrid": True}, "hybrid attention/state-space"),
+        ({"role": "kv_both"}, "got 'kv_both'"),
+        ({"engine_id": ""}, "needs an engine_id"),
+        ({"extra": {"side_chanel_port": 1}}, "unknown kv_connector_extra_config keys"),
+    ],
+)
+def test_unsupported_set_ups_are_refused_naming_the_setting(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ConnectorConfig.from_vllm(vllm_config(**kw))
