@@ -104,10 +104,16 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
         r = httpx.post(
             url + "/v1/completions",
             timeout=120,
-            json={"model": "tiny", "prompt": "Hello there", "max_tokens": 8},
+            json={
+                "model": "tiny",
+                "prompt": "Hello there",
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
         )
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"]
+        assert r.json()["usage"]["completion_tokens"] == 8
     finally:
         stop(procs)
         for log in logs:
