@@ -88,3 +88,10 @@ def mono_url(engines) -> str:
 @pytest.fixture(scope="session")
 def pair(engines) -> Pair:
     return as_pair(engines["prefill"], engines["decode"])
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that start engines of their own (test_launch) go first, before the shared engines
+    start: on two cores, engines running vLLM's own NIXL connectors (whose progress threads
+    spin) would otherwise share the CPU with three idle-but-alive shared engines."""
+    items.sort(key=lambda item: 0 if item.module.__name__.endswith("test_launch") else 1)
