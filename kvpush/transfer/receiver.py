@@ -298,7 +298,8 @@ class DecodeEndpoint(Endpoint):
         return sum(e.num_blocks for e in self._expected.values() if e.cancel is not None)
 
     def _read_gauges(self) -> dict[str, int]:
-        waiting = [e for e in self._expected.values() if e.cancel is None]
+        # Only transfers that hold decode blocks (a full-hit release holds none).
+        waiting = [e for e in self._expected.values() if e.cancel is None and e.num_blocks]
         return {
             "expected": len(waiting),
             "expected_blocks": sum(e.num_blocks for e in waiting),

@@ -45,7 +45,7 @@ class KVPushConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PushMetadata)
-        self._worker.start(meta.actions, meta.idle_step)
+        self._worker.start(meta.actions)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -72,4 +72,3 @@ Action = Push | Abort | Expect | Cancel | Release | Refuse
 @dataclass
 class PushMetadata(KVConnectorMetadata):
     actions: list[Action] = field(default_factory=list)
-    idle_step: bool = False  # the step schedules no tokens: the worker may wait a little

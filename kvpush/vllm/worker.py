@@ -7,7 +7,7 @@ own thread, and results are collected from futures that are already done.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from typing import Any
 
 from kvpush.transfer import wire
@@ -18,8 +18,6 @@ from kvpush.vllm.kvlayout import layout_from_kv_caches
 from kvpush.vllm.stats import GAUGES, KVPushStats
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_BUSY_S = 0.002  # an idle step's longest wait while data is in flight or expected
-IDLE_WAIT_LEASE_S = 0.010  # ... while only a lease is pending
 
 
 class PushWorker:
@@ -31,7 +29,6 @@ class PushWorker:
         self._cancelled: set[str] = set()
         self._refused: set[str] = set()
         self._stats = KVPushStats()
-        self._idle_step = False
         self._last_gauges: dict[str, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -86,8 +83,7 @@ class PushWorker:
             compat.layout_kind,
         )
 
-    def start(self, actions: list[m.Action], idle_step: bool = False) -> None:
-        self._idle_step = idle_step
+    def start(self, actions: list[m.Action]) -> None:
         for action in actions:
             try:
                 self._start(action)
@@ -120,7 +116,6 @@ class PushWorker:
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
-        self._pace_idle_step()
         sending: set[str] = set()
         recving, failed = set(self._refused), set(self._refused)
         self._refused.clear()
@@ -156,23 +151,6 @@ class PushWorker:
                 outcome.elapsed_s * 1e3,
             )
         return sending, recving, failed
-
-    def _pace_idle_step(self) -> None:
-        """vLLM keeps stepping while transfers are pending, and on an idle host each empty
-        step is a busy round-trip. On a step that schedules no tokens, wait (bounded) for a
-        transfer to finish instead: 2 ms while data is in flight or expected, 10 ms while
-        only a lease runs. Steps with work never wait."""
-        if not (self._idle_step and self._futures) or self._refused:
-            return
-        if any(f.done() for f in self._futures.values()):
-            return
-        g = self.endpoint.gauges() if self.endpoint is not None else {}
-        busy = g.get("in_flight", 0) or g.get("expected", 0)
-        wait(
-            list(self._futures.values()),
-            timeout=IDLE_WAIT_BUSY_S if busy else IDLE_WAIT_LEASE_S,
-            return_when=FIRST_COMPLETED,
-        )
 
     def take_stats(self) -> KVPushStats | None:
         """Stats for this step, or None when nothing changed since the last one."""

@@ -103,7 +103,7 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
         wait_health(url, procs, timeout_s=60)
         r = httpx.post(
             url + "/v1/completions",
-            timeout=120,
+            timeout=300,  # vLLM's own NIXL connectors spin their progress threads: slow here
             json={
                 "model": "tiny",
                 "prompt": "Hello there",
