@@ -158,6 +158,14 @@ class Stack:
             state_file().unlink()
 
 
+def _alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def _stop_group(pgid: int, timeout_s: float = 20) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
@@ -183,8 +191,11 @@ def up(
     from kvpush.launch import tinymodel
 
     if state_file().exists():
-        print(f"a stack seems to be running ({state_file()}); run `kvpush down` first")
-        return 1
+        pgids = json.loads(state_file().read_text()).get("pgids", [])
+        if any(_alive(pgid) for pgid in pgids):
+            print(f"a kvpush stack is running ({state_file()}); run `kvpush down` first")
+            return 1
+        state_file().unlink()  # left by a stack that died without cleaning up
     model = model or str(tinymodel.ensure())
     specs = stack_specs(model, connector, num_prefill, num_decode)
     log_dir = SETTINGS.cache_dir / "logs"

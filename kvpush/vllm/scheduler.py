@@ -7,7 +7,6 @@ It runs in vLLM's scheduler, so it never touches the network: it only queues act
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -19,9 +18,6 @@ from kvpush.vllm.params import ParamsError, parse
 log = logging.getLogger(__name__)
 
 _FINISHED_OK = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-PACE_START_S = 0.00025  # first back-off of an idle engine step while transfers are pending
-PACE_MAX_LOADING_S = 0.002  # decode waiting for KV: completion seen at most this late
-PACE_MAX_SENDING_S = 0.010  # prefill pushes only (typically a lease): 100 steps a second
 
 
 class PushScheduler:
@@ -35,7 +31,6 @@ class PushScheduler:
         self._released: set[str] = set()  # decode: full local hit, prefill told
         self._refused: dict[str, str] = {}  # decode: bad params, failed as a load failure
         self._abandoned: set[str] = set()  # decode: finished while loading; a cancel is out
-        self._idle_steps = 0  # consecutive steps with nothing scheduled, while pending
 
     # -- decode ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -93,23 +88,9 @@ class PushScheduler:
 
     # -- both -----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> m.PushMetadata:
-        self._pace(getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
         meta = m.PushMetadata(self._actions)
         self._actions = []
         return meta
-
-    def _pace(self, idle: bool) -> None:
-        """vLLM keeps stepping while transfers are pending, and each step that schedules no
-        tokens is a busy round-trip to the workers (over a second of CPU per second on this
-        host). On such steps, back off: 0.25 ms doubling to 2 ms while decode waits for KV
-        (its completion is seen at most 2 ms late), to 10 ms while only prefill's pushes are
-        pending (a lease). A step with work, or an action to deliver, resets it."""
-        if not idle or self._actions or not (self._sending or self._loading):
-            self._idle_steps = 0
-            return
-        cap_s = PACE_MAX_LOADING_S if self._loading else PACE_MAX_SENDING_S
-        time.sleep(min(cap_s, PACE_START_S * 2 ** min(self._idle_steps, 8)))
-        self._idle_steps += 1
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
