@@ -48,6 +48,7 @@ def figure(points: dict[tuple, list[dict]], metric: str, stat: str, out: Path) -
             ax.plot(xs, mid, marker="o", label=mode)
             ax.fill_between(xs, [min(v) for v in vals], [max(v) for v in vals], alpha=0.2)
         ax.set_title(f"{qps:g} QPS")
+        ax.set_yscale("log")  # connectors differ by orders of magnitude here
         ax.set_xlabel("input tokens")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"{stat} {metric.upper()} (ms)")
