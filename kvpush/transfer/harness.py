@@ -12,7 +12,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -186,7 +186,3 @@ class Side:
                 self.call("close", timeout_s=15)
             self.proc.join(timeout=10)
         self.kill()
-
-
-def with_port(config: Any, port: int) -> Any:
-    return replace(config, side_channel_port=port)
