@@ -84,11 +84,13 @@ def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
 
     async def go():
         async with httpx.AsyncClient() as c:
-            b = body(tokens(500, 9), 400, stream=True, ignore_eos=True)
+            # 3,000 tokens would take decode half a minute: freeing within 10 s means the
+            # proxy's disconnect reached decode, which aborted the request.
+            b = body(tokens(60, 9), 3000, stream=True, ignore_eos=True)
             await abort_after(post(c, url, b), 1.5)  # mid-decode
 
     asyncio.run(go())
-    wait_idle(*prefill_urls, decode_url, timeout_s=3)
+    wait_idle(*prefill_urls, decode_url, timeout_s=10)
     status = httpx.get(url + "/status").json()
     assert all(e["outstanding"] == 0 for e in status["engines"])
 
