@@ -79,6 +79,11 @@ def test_streaming_and_chat_through_the_proxy(proxy_url, mono_url, chat, stream)
     assert got == want
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (issue 4): a client that leaves mid-stream does not abort the decode "
+    "leg; decode runs the request to its end",
+)
 def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
     url, prefill_urls, decode_url = proxy_url
 
