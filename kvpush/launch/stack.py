@@ -158,7 +158,7 @@ class Stack:
             state_file().unlink()
 
 
-def _alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
@@ -192,7 +192,7 @@ def up(
 
     if state_file().exists():
         pgids = json.loads(state_file().read_text()).get("pgids", [])
-        if any(_alive(pgid) for pgid in pgids):
+        if any(group_alive(pgid) for pgid in pgids):
             print(f"a kvpush stack is running ({state_file()}); run `kvpush down` first")
             return 1
         state_file().unlink()  # left by a stack that died without cleaning up

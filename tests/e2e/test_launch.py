@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from kvpush.launch.stack import group_alive
 from tests.e2e.conftest import free_port
 from tests.servers import free_port as free_proxy_port
 
@@ -123,14 +124,6 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def test_up_and_down_leave_no_process_and_no_port(tmp_path):
