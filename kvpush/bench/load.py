@@ -1,6 +1,6 @@
 """Load generator: Poisson arrivals of streaming completions with exact-length prompts.
 
-Per request it records TTFT (first streamed token), ITL (gaps between tokens), TPOT
+Per request it records TTFT (first streamed token), ITL (gaps between streamed events), TPOT
 ((E2EL - TTFT) / (output tokens - 1)) and E2EL, and summarises them with the field names
 `vllm bench serve` writes.
 """
@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from kvpush.httpclient import async_client
 
 RESERVED_IDS = 3  # the tiny model's special tokens are ids 0..2
 
@@ -51,10 +54,12 @@ async def one_request(
         "min_tokens": output_len,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
     start = time.perf_counter()
     times: list[float] = []
+    counted = 0  # completion_tokens from the final usage event
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -68,13 +73,17 @@ async def one_request(
                     return RequestResult(False, error=str(event["error"])[:200])
                 if event.get("choices") and event["choices"][0].get("text") is not None:
                     times.append(time.perf_counter())
+                if event.get("usage"):
+                    counted = event["usage"].get("completion_tokens") or 0
     except httpx.HTTPError as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}")
     if not times:
         return RequestResult(False, error="no tokens streamed")
     ttft = (times[0] - start) * 1e3
     itl = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
-    return RequestResult(True, ttft, (times[-1] - start) * 1e3, itl, len(times))
+    # An engine that falls behind its client merges several tokens into one event, so the
+    # token count comes from usage; ITLs stay per event, as `vllm bench serve` records them.
+    return RequestResult(True, ttft, (times[-1] - start) * 1e3, itl, counted or len(times))
 
 
 async def run_load(
@@ -107,8 +116,9 @@ async def run_load(
             )
         return result
 
-    limits = httpx.Limits(max_connections=num_prompts + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with async_client(num_prompts + 8, timeout=httpx.Timeout(600.0)) as client:
+        waiting: list[float] = []
+        sampler = asyncio.create_task(sample_waiting(client, url, waiting))
         start = time.perf_counter()
         tasks = []
         for i in range(num_prompts):
@@ -116,9 +126,35 @@ async def run_load(
             await asyncio.sleep(gaps[i])
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        sampler.cancel()
     if progress:
         print(file=sys.stderr)
-    return summarize(results, duration)
+    summary = summarize(results, duration)
+    summary["decode_waiting_on_prefill"] = (
+        {"max": max(waiting), "mean": statistics.fmean(waiting), "samples": len(waiting)}
+        if waiting
+        else None
+    )
+    return summary
+
+
+WAITING = re.compile(r"^kvpush_proxy_decode_waiting_on_prefill\{[^}]*\} (\S+)$", re.M)
+
+
+async def sample_waiting(client: httpx.AsyncClient, url: str, out: list[float]) -> None:
+    """Every 0.25 s, the proxy's count of decode requests whose blocks wait for prefill
+    (summed over decode engines). Nothing is recorded against a plain engine."""
+    while True:
+        try:
+            r = await client.get(url + "/metrics", timeout=5)
+        except httpx.HTTPError:
+            r = None
+        if r is not None and r.status_code == 200:
+            values = WAITING.findall(r.text)
+            if not values:
+                return  # not a kvpush proxy
+            out.append(sum(float(v) for v in values))
+        await asyncio.sleep(0.25)
 
 
 def _stats(name: str, values: list[float]) -> dict[str, float]:

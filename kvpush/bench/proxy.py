@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 from fastapi import FastAPI
 
+from kvpush.httpclient import async_client
+
 app = FastAPI()  # an engine that answers at once: `uvicorn kvpush.bench.proxy:app`
 
 
@@ -50,7 +52,7 @@ def _start(cmd: list[str], url: str) -> subprocess.Popen:
 async def _latencies(url: str, n: int) -> list[float]:
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     out = []
-    async with httpx.AsyncClient() as c:
+    async with async_client() as c:
         for _ in range(n):
             t0 = time.perf_counter()
             (await c.post(url + "/v1/completions", json=body)).raise_for_status()
@@ -69,8 +71,7 @@ async def _throughput(url: str, concurrency: int, seconds: float) -> float:
             (await c.post(url + "/v1/completions", json=body)).raise_for_status()
             done += 1
 
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=30) as c:
+    async with async_client(concurrency, timeout=30) as c:
         start = time.perf_counter()
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
         return done / (time.perf_counter() - start)

@@ -86,10 +86,14 @@ def sweep(
                     path = results_dir / result_name(mode, q, n_in, n_out, it)
                     path.write_text(json.dumps(summary, indent=1))
                     written.append(path)
+                    waiting = summary["decode_waiting_on_prefill"]
+                    waited = (
+                        f", decode waiting on prefill max {waiting['max']:g}" if waiting else ""
+                    )
                     print(
                         f"  {label}: ttft median {summary['median_ttft_ms']:.0f} ms, tpot "
                         f"median {summary['median_tpot_ms']:.1f} ms, "
-                        f"{summary['failed']} failed",
+                        f"{summary['failed']} failed{waited}",
                         flush=True,
                     )
     return written

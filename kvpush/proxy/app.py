@@ -15,8 +15,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -77,12 +79,17 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await handle(request, chat=True)
 
     async def handle(request: Request, chat: bool) -> Response:
-        start = time.monotonic()
+        trace = Trace(request.headers.get("x-request-id"))
+        response = await answer(request, chat, trace)
+        response.headers["X-Request-Id"] = trace.client_id or trace.request_id
+        return response
+
+    async def answer(request: Request, chat: bool, trace: Trace) -> Response:
         try:
             body = check_body(await request.body(), pool.models(), config.mode, chat)
-            headers = forward_headers(request, config)
+            headers = forward_headers(request, config) | {"X-Request-Id": trace.request_id}
             dispatch = push if config.mode == "push" else pull
-            response = await watch_disconnect(request, dispatch(body, chat, headers, start))
+            response = await watch_disconnect(request, dispatch(body, chat, headers, trace))
         except httpx.TimeoutException as e:
             error = ProxyError(
                 504,
@@ -101,12 +108,11 @@ def create_app(config: ProxyConfig) -> FastAPI:
         metrics.requests.labels(config.mode, str(response.status_code)).inc()
         return response
 
-    async def push(body: dict, chat: bool, headers: dict, start: float) -> Response:
+    async def push(body: dict, chat: bool, headers: dict, trace: Trace) -> Response:
         tokens = estimate_prompt_tokens(body, chat)
         prefill, decode = pool.pick("prefill", tokens), pool.pick("decode", tokens)
-        transfer_id = uuid.uuid4().hex
-        request_id = f"kvpush-{uuid.uuid4().hex}"
-        headers = headers | {"X-Request-Id": request_id}
+        transfer_id = trace.transfer_id = uuid.uuid4().hex
+        request_id = trace.request_id
         p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
         info = prefill.info
         d_body = body | {
@@ -124,7 +130,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         }
         pool.acquire(prefill, tokens)
         pool.acquire(decode, tokens, waiting=True)
-        p_task = asyncio.create_task(timed_prefill(prefill, p_body, chat, headers))
+        p_task = asyncio.create_task(timed_prefill(prefill, p_body, chat, headers, trace))
         released = False
 
         def release() -> None:
@@ -136,22 +142,19 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
         p_task.add_done_callback(lambda _: pool.prefill_done(decode))
         try:
-            return await relay_decode(
-                decode, d_body, chat, headers, p_task, transfer_id, start, release
-            )
+            return await relay_decode(decode, d_body, chat, headers, p_task, trace, release)
         except BaseException:
             p_task.cancel()
             release()
             raise
 
-    async def pull(body: dict, chat: bool, headers: dict, start: float) -> Response:
+    async def pull(body: dict, chat: bool, headers: dict, trace: Trace) -> Response:
         tokens = estimate_prompt_tokens(body, chat)
         prefill, decode = pool.pick("prefill", tokens), pool.pick("decode", tokens)
-        headers = headers | {"X-Request-Id": f"kvpush-{uuid.uuid4().hex}"}
         p_body = prefill_body(body, chat, {"do_remote_decode": True})
         pool.acquire(prefill, tokens)
         try:
-            p_json = await timed_prefill(prefill, p_body, chat, headers)
+            p_json = await timed_prefill(prefill, p_body, chat, headers, trace)
         finally:
             pool.release(prefill, tokens)
         params = p_json.get("kv_transfer_params")
@@ -170,15 +173,17 @@ def create_app(config: ProxyConfig) -> FastAPI:
             chat,
             headers,
             done,
-            "",
-            start,
+            trace,
             lambda: pool.release(decode, tokens),
         )
 
-    async def timed_prefill(prefill: EngineState, p_body: dict, chat: bool, headers: dict) -> dict:
+    async def timed_prefill(
+        prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
+    ) -> dict:
         t0 = time.monotonic()
         r = await pool.client(prefill).post(route(chat), json=p_body, headers=headers)
-        metrics.prefill_seconds.observe(time.monotonic() - t0)
+        trace.prefill_s = time.monotonic() - t0
+        metrics.prefill_seconds.observe(trace.prefill_s)
         if r.status_code != 200:
             raise ProxyError(r.status_code, f"prefill engine {prefill.info.url}: {error_text(r)}")
         return r.json()
@@ -189,8 +194,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         chat: bool,
         headers: dict,
         p_task: Any,
-        transfer_id: str,
-        start: float,
+        trace: Trace,
         release: Any,
     ) -> Response:
         client = pool.client(decode)
@@ -199,6 +203,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         try:
             await first_failure(p_task, d_task)
             d_resp = await d_task
+            trace.first_byte_s = time.monotonic() - trace.start
         except BaseException:
             d_task.cancel()
             with contextlib.suppress(BaseException):
@@ -209,7 +214,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             await d_resp.aread()
             await d_resp.aclose()
             release()
-            raise decode_error(decode, d_resp, transfer_id)
+            raise decode_error(decode, d_resp, trace.transfer_id)
         if not d_body.get("stream"):
             try:
                 data = await race(d_resp.aread(), p_task)
@@ -217,18 +222,18 @@ def create_app(config: ProxyConfig) -> FastAPI:
             finally:
                 await d_resp.aclose()
                 release()
-            metrics.observe_latency(ttft_s=time.monotonic() - start)
+            trace.ttft_s = time.monotonic() - trace.start
+            metrics.observe_latency(trace)
             return Response(data, 200, media_type="application/json")
-        return StreamingResponse(
-            stream(d_resp, p_task, transfer_id, start, release), media_type="text/event-stream"
-        )
+        return RelayResponse(stream(d_resp, p_task, trace, release))
 
     async def stream(
-        d_resp: httpx.Response, p_task: Any, transfer_id: str, start: float, release: Any
+        d_resp: httpx.Response, p_task: Any, trace: Trace, release: Any
     ) -> AsyncIterator[bytes]:
         chunks = d_resp.aiter_raw().__aiter__()
         first_s = last_s = None
         count = 0
+        finished = False
         try:
             while True:
                 try:
@@ -242,15 +247,85 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 first_s = first_s or now
                 last_s, count = now, count + 1
                 yield chunk
+            finished = True
         finally:
+            # Closing decode's connection makes vLLM abort the request. When the client left
+            # mid-stream, prefill's leg is cancelled rather than waited for.
             await d_resp.aclose()
-            await settle(p_task)
+            if finished:
+                await settle(p_task)
+            else:
+                p_task.cancel()
             release()
             if first_s is not None:
-                tpot = (last_s - first_s) / (count - 1) if count > 1 and last_s else None
-                metrics.observe_latency(ttft_s=first_s - start, tpot_s=tpot)
+                trace.ttft_s = first_s - trace.start
+                if count > 1 and last_s:
+                    trace.tpot_s = (last_s - first_s) / (count - 1)
+                metrics.observe_latency(trace)
 
     return app
+
+
+@dataclass
+class Trace:
+    """One client request's ids and timings (seconds from arrival), logged at debug level."""
+
+    client_id: str | None
+    request_id: str = field(default_factory=lambda: f"kvpush-{uuid.uuid4().hex}")
+    transfer_id: str = ""
+    start: float = field(default_factory=time.monotonic)
+    prefill_s: float | None = None  # prefill leg, send to answer
+    first_byte_s: float | None = None  # decode's response headers
+    ttft_s: float | None = None  # first chunk of the answer relayed
+    tpot_s: float | None = None  # per streamed chunk after the first
+
+    def log(self) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+        log.debug(
+            "request %s (client id %s, transfer_id %s): prefill leg %s, decode first byte %s, "
+            "TTFT %s, TPOT %s",
+            self.request_id,
+            self.client_id or "-",
+            self.transfer_id or "-",
+            ms(self.prefill_s),
+            ms(self.first_byte_s),
+            ms(self.ttft_s),
+            ms(self.tpot_s),
+        )
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed answer whose upstream is closed the moment the client goes away.
+
+    Starlette's StreamingResponse leaves an abandoned generator to the garbage collector (with
+    ASGI 2.4 it notices a disconnect only when a send fails), so decode would run on. Here a
+    watcher cancels the stream on `http.disconnect`, and the generator is closed, shielded from
+    that cancellation, before the response returns: its `finally` closes decode's connection.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def watch(scope_: anyio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            scope_.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch, tg.cancel_scope)
+                with contextlib.suppress(OSError):  # the client is gone: a send failed
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def settle(p_task: Any) -> None:

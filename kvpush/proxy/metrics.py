@@ -25,6 +25,12 @@ class ProxyMetrics:
             buckets=_BUCKETS_S,
             registry=r,
         )
+        self.first_byte_seconds = Histogram(
+            "kvpush_proxy_decode_first_byte_seconds",
+            "time to decode's response headers",
+            buckets=_BUCKETS_S,
+            registry=r,
+        )
         self.ttft_seconds = Histogram(
             "kvpush_proxy_ttft_seconds",
             "time to first byte of the answer",
@@ -56,11 +62,16 @@ class ProxyMetrics:
             registry=r,
         )
 
-    def observe_latency(self, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
-        if ttft_s is not None:
-            self.ttft_seconds.observe(ttft_s)
-        if tpot_s is not None:
-            self.tpot_seconds.observe(tpot_s)
+    def observe_latency(self, trace: Any) -> None:
+        """A finished request's timings (an app.Trace); also logged at debug level."""
+        for histogram, value in (
+            (self.first_byte_seconds, trace.first_byte_s),
+            (self.ttft_seconds, trace.ttft_s),
+            (self.tpot_seconds, trace.tpot_s),
+        ):
+            if value is not None:
+                histogram.observe(value)
+        trace.log()
 
     def observe_pool(self, pool: Any) -> None:
         for s in pool.states:

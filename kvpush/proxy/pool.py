@@ -9,6 +9,7 @@ import logging
 
 import httpx
 
+from kvpush import httpclient
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 
@@ -28,7 +29,7 @@ class EnginePool:
         timeout = httpx.Timeout(
             self.config.request_timeout_s, connect=self.config.connect_timeout_s
         )
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        limits = httpclient.limits(max_connections=1024, max_keepalive=256)
         for s in self.states:
             self._clients[s.info.url] = httpx.AsyncClient(
                 base_url=s.info.url, timeout=timeout, limits=limits

@@ -16,6 +16,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from kvpush.httpclient import async_client
 from tests.e2e.client import (
     abort_after,
     body,
@@ -63,7 +64,7 @@ def prefill_leg(c, pair, tid, p):
 
 def test_decode_abort_while_waiting_then_late_prefill_frees_both_within_2s(fpair):
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             tid, p = uuid.uuid4().hex, prompt(300, 1)
             await abort_after(decode_leg(c, fpair, tid, p), 1.0)  # registered, then gone
             wait_usage_zero(fpair.decode_url, timeout_s=2)  # prefill acknowledged the cancel
@@ -78,7 +79,7 @@ def test_decode_abort_at_any_moment_frees_both_within_2s(fpair, after_s):
     """The decode leg is dropped at some moment of the push: before, during or after it."""
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             tid, p = uuid.uuid4().hex, prompt(1000, 2)
             legs = asyncio.gather(
                 prefill_leg(c, fpair, tid, p), abort_after(decode_leg(c, fpair, tid, p), after_s)
@@ -91,7 +92,7 @@ def test_decode_abort_at_any_moment_frees_both_within_2s(fpair, after_s):
 
 def test_prefill_abort_fails_decode_within_1s(fpair):
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             tid, p = uuid.uuid4().hex, prompt(3000, 3)  # ~47 prefill steps of 64 tokens
             decode = asyncio.ensure_future(decode_leg(c, fpair, tid, p, stream=False))
             await asyncio.sleep(0.5)
@@ -109,7 +110,7 @@ def test_prefill_abort_fails_decode_within_1s(fpair):
 
 def test_decode_that_never_registers_is_freed_by_the_lease(fpair):
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             await prefill_leg(c, fpair, uuid.uuid4().hex, prompt(200, 4))
             return time.monotonic()
 
@@ -151,7 +152,7 @@ def test_prompt_lists_and_n_are_refused_in_push_mode(fpair):
 
 def test_wrong_prefill_engine_id_fails_the_request_clearly(fpair):
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             params = decode_params(fpair, uuid.uuid4().hex) | {"remote_engine_id": "other"}
             b = body(prompt(100, 5), 4, kv_transfer_params=params)
             r = await c.post(fpair.decode_url + "/v1/completions", json=b, timeout=30)
@@ -165,7 +166,7 @@ def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(vic
     pair = as_pair(victims["prefill"], victims["decode"])
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             tid, p = uuid.uuid4().hex, prompt(200, 6)
             decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
             await asyncio.sleep(1.0)  # registered with prefill, which never runs the leg
@@ -183,7 +184,7 @@ def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(vic
     pair = as_pair(victims["prefill"], victims["decode"])
 
     async def again():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             return await disagg(c, pair, prompt(100, 7), 8)
 
     assert asyncio.run(again())["choices"][0]["text"]
@@ -194,7 +195,7 @@ def test_killed_decode_frees_prefill_blocks_within_10s(victims):
     pair = as_pair(victims["prefill"], victims["decode"])
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             tid, p = uuid.uuid4().hex, prompt(200, 8)
             decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
             await asyncio.sleep(1.0)  # decode registered; prefill has not started

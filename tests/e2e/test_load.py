@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from kvpush.httpclient import async_client
 from tests.e2e.client import abort_after, disagg, plain, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +38,7 @@ def test_32_concurrent_are_byte_exact_and_match_the_plain_engine(pair, mono_url,
     prompts = [tokens(random.Random(i).randrange(50, 1500), 100 + i) for i in range(32)]
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             wants = [await plain(c, mono_url, p, 16, logprobs=2) for p in prompts]
             gots = await asyncio.gather(*(disagg(c, pair, p, 16, logprobs=2) for p in prompts))
             return wants, gots
@@ -72,7 +73,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair):
 
     async def go():
         sem = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as c:
+        async with async_client(64) as c:
             results = await asyncio.gather(
                 *(one(c, sem, i) for i in range(500)), return_exceptions=True
             )
@@ -121,7 +122,7 @@ def test_cpu_is_idle_within_1s_of_the_last_transfer_and_bounded_while_a_lease_ru
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=5)
 
     async def one():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             await disagg(c, pair, tokens(300, 77), 4)
 
     asyncio.run(one())

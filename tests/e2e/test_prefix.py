@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from kvpush.httpclient import async_client
 from tests.e2e.client import disagg, plain, text_of, wait_idle
 from tests.e2e.conftest import as_pair, pair_specs, start
 
@@ -33,7 +34,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def through(pair, mono_url, prompt) -> tuple[str, str, float]:
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             want = await plain(c, mono_url, prompt, 12)
             got = await disagg(c, pair, prompt, 12)
             return text_of(want), text_of(got), time.monotonic()

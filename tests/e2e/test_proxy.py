@@ -11,6 +11,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from kvpush.httpclient import async_client
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from tests.e2e.client import abort_after, body, plain, post, text_of, wait_idle
@@ -52,7 +53,7 @@ def test_two_prefill_engines_each_request_decodes_right(proxy_url, mono_url):
     before = [transfers(u) for u in prefill_urls]
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             for i in range(6):
                 p = tokens(200 + 50 * i, 300 + i)
                 want = await plain(c, mono_url, p, 12)
@@ -70,7 +71,7 @@ def test_streaming_and_chat_through_the_proxy(proxy_url, mono_url, chat, stream)
     prompt = "Return the number of items in the list, counting nested lists once. " * 5
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             want = await plain(c, mono_url, prompt, 12, chat=chat, stream=stream)
             got = await post(c, url, body(prompt, 12, chat=chat, stream=stream), chat=chat)
             return text_of(want), text_of(got)
@@ -79,16 +80,11 @@ def test_streaming_and_chat_through_the_proxy(proxy_url, mono_url, chat, stream)
     assert got == want
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (issue 4): a client that leaves mid-stream does not abort the decode "
-    "leg; decode runs the request to its end",
-)
 def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
     url, prefill_urls, decode_url = proxy_url
 
     async def go():
-        async with httpx.AsyncClient() as c:
+        async with async_client() as c:
             # 3,000 tokens would take decode half a minute: freeing within 10 s means the
             # proxy's disconnect reached decode, which aborted the request.
             b = body(tokens(60, 9), 3000, stream=True, ignore_eos=True)
@@ -138,3 +134,5 @@ def test_bench_result_files_follow_the_contract(proxy_url, tmp_path):
         assert field in data, field
     assert data["completed"] == 4 and data["failed"] == 0
     assert data["output_lens"] == [4, 4, 4, 4]
+    # sampled from the proxy's /metrics during the run
+    assert data["decode_waiting_on_prefill"]["samples"] >= 1

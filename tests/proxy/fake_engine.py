@@ -18,6 +18,8 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if app.state.behavior == "down":
+            return JSONResponse({}, 503)
         return {}
 
     @app.get("/v1/models")
@@ -28,6 +30,7 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
     async def completions(request: Request):
         body = await request.json()
         app.state.requests.append(body)
+        app.state.headers = dict(request.headers)
         behavior = app.state.behavior
         if behavior == "hang":
             await asyncio.sleep(3600)

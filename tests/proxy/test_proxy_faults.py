@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import httpx
 import pytest
@@ -155,3 +156,73 @@ def test_metrics_and_models_and_health():
         assert "kvpush_proxy_decode_waiting_on_prefill" in text
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_request_id_is_echoed_and_each_dispatch_gets_a_fresh_one():
+    with proxied() as (url, p_app, d_app):
+        r = httpx.post(
+            url + "/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "c1"}
+        )
+        assert r.headers["x-request-id"] == "c1"
+        sent = d_app.state.headers["x-request-id"]
+        assert sent.startswith("kvpush-") and p_app.state.headers["x-request-id"] == sent
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+        # without a client id the answer names the dispatch's own, fresh each time
+        assert d_app.state.headers["x-request-id"] == r.headers["x-request-id"] != sent
+
+
+def test_least_outstanding_sends_the_next_request_to_the_idle_engine():
+    slow, fast = fake_engine(behavior="slow"), fake_engine()
+    with run_server(slow) as s_url, run_server(fast) as f_url, run_server(fake_engine()) as d_url:
+        engines = (EngineInfo(s_url, "prefill"), EngineInfo(f_url, "prefill"))
+        engines += (EngineInfo(d_url, "decode"),)
+        config = ProxyConfig(engines=engines, policy="least-outstanding", connector="nixl-pull")
+        with run_server(create_app(config)) as url:
+
+            async def go():
+                async with httpx.AsyncClient(timeout=30) as c:
+                    first = asyncio.create_task(
+                        c.post(url + "/v1/completions", json={"prompt": "a"})
+                    )
+                    await asyncio.sleep(0.3)  # the first request is in flight on the slow engine
+                    for _ in range(3):
+                        r = await c.post(url + "/v1/completions", json={"prompt": "b"})
+                        assert r.status_code == 200
+                    assert (await first).status_code == 200
+
+            asyncio.run(go())
+            # ties go to the first engine; while it is busy every request goes to the other
+            assert len(slow.state.requests) == 1 and len(fast.state.requests) == 3
+
+
+def test_an_engine_that_fails_health_checks_leaves_rotation_and_comes_back():
+    p1, p2 = fake_engine(), fake_engine()
+    with run_server(p1) as u1, run_server(p2) as u2, run_server(fake_engine()) as d_url:
+        engines = (
+            EngineInfo(u1, "prefill"),
+            EngineInfo(u2, "prefill"),
+            EngineInfo(d_url, "decode"),
+        )
+        config = ProxyConfig(engines=engines, health_interval_s=0.05)
+        with run_server(create_app(config)) as url:
+
+            def healthy() -> bool:
+                status = httpx.get(url + "/status").json()["engines"]
+                return next(e for e in status if e["url"] == u1)["healthy"]
+
+            def wait_for(want: bool) -> None:
+                deadline = time.monotonic() + 10
+                while healthy() != want:
+                    assert time.monotonic() < deadline, f"engine health never became {want}"
+                    time.sleep(0.05)
+
+            p1.state.behavior = "down"
+            wait_for(False)
+            for _ in range(4):
+                assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
+            assert len(p1.state.requests) == 0 and len(p2.state.requests) == 4
+            p1.state.behavior = "ok"
+            wait_for(True)
+            for _ in range(4):
+                assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
+            assert len(p1.state.requests) == 2 and len(p2.state.requests) == 6
