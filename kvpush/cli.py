@@ -20,7 +20,8 @@ def _model(args: argparse.Namespace) -> int:
 def _bench_transfer(args: argparse.Namespace) -> int:
     from kvpush.bench import transfer
 
-    return transfer.main(quick=args.quick, out=Path(args.out) if args.out else None)
+    out = Path(args.out) if args.out else None
+    return transfer.main(quick=args.quick, out=out, device=args.device)
 
 
 def _proxy(args: argparse.Namespace) -> int:
@@ -88,8 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    transfer = bench_sub.add_parser("transfer", help="push vs pull vs raw NIXL WRITE on DRAM")
+    transfer = bench_sub.add_parser(
+        "transfer", help="push vs pull vs raw NIXL WRITE, on DRAM or a CUDA GPU"
+    )
     transfer.add_argument("--quick", action="store_true", help="a subset, under a minute")
+    transfer.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: DRAM, block sizes 4 KiB-1 MiB; cuda: VRAM on GPU 0, Qwen3-32B TP-8 rank shape",
+    )
     transfer.add_argument("--out", help="JSON file to write")
     transfer.set_defaults(func=_bench_transfer)
     bproxy = bench_sub.add_parser("proxy", help="the proxy's added latency and requests/s")

@@ -1,6 +1,6 @@
-"""`kvpush bench transfer`: push vs a pull baseline vs a raw NIXL WRITE, over DRAM.
+"""`kvpush bench transfer`: push vs a pull baseline vs a raw NIXL WRITE, over DRAM or VRAM.
 
-Four child processes per block size: a prefill and a decode endpoint (the push path), and
+Four child processes per KV shape: a prefill and a decode endpoint (the push path), and
 two raw NIXL agents (the pull baseline and the raw WRITE). Per grid point, medians of
 several repeats:
 - push_ms: prefill hands its blocks over (both sides ready: decode registered first) until
@@ -9,16 +9,26 @@ several repeats:
   READ and polls it to completion, as a pull connector does after prefill;
 - raw_write_ms: one WRITE of the same bytes with descriptors built beforehand;
 - descs: descriptors posted; caller_blocked_ms: how long the caller's thread was held
-  (push: enqueue only; pull: descriptor build and post).
+  (push: enqueue only; pull: descriptor build and post);
+- d2d_copy_ms (CUDA only): one device-to-device copy of the same number of bytes on the one
+  GPU, the ceiling for any transfer between two processes on it.
+
+Shapes: on DRAM, one region with block sizes from 4 KiB to 1 MiB; with `--device cuda`, the
+KV of one tensor-parallel rank of Qwen3-32B at TP 8 (64 layers, K and V in separate
+regions, 1 KV head of 128 in bf16, 16-token blocks: 4 KiB per block per region) for
+prompts of 1k, 4k and 16k tokens.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import replace
@@ -32,15 +42,26 @@ FULL_GRID = {"block_bytes": [4 * KIB, 64 * KIB, 1024 * KIB], "num_blocks": [1, 1
 QUICK_GRID = {"block_bytes": [4 * KIB, 1024 * KIB], "num_blocks": [1, 64]}
 MAX_POINT_BYTES = 256 * 1024 * KIB  # skip points above this: DRAM on a 2-core, 24 GiB host
 TOKENS_PER_BLOCK = 16
+# One TP-8 rank of Qwen3-32B: 64 layers x (K, V), 1 KV head of 128 bf16 values per token.
+QWEN3_32B_TP8 = LayoutSpec(
+    num_blocks=0,  # set per run
+    block_size=16,
+    num_heads=1,
+    head_bytes=128 * 2,
+    num_regions=64 * 2,
+    elem_bytes=2,
+    device="cuda",
+)
+CUDA_TOKENS = {"full": [1024, 4096, 16384], "quick": [1024]}
 
 
 def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
     from kvpush.transfer.agent import Agent
-    from kvpush.transfer.harness import fill_pattern
+    from kvpush.transfer.harness import Memory
     from kvpush.transfer.layout import plan_copies
 
-    arrays = fill_pattern(spec, seed)
-    layout = spec.build(arrays)
+    memory = Memory(spec, seed)
+    layout = spec.build(memory.addresses())
     agent = Agent(name)
     agent.register(layout)
     conn.send((agent.metadata(), layout))
@@ -66,7 +87,8 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
         t_built = time.perf_counter()
         if op == "WRITE":
             t0 = t_built  # raw WRITE: descriptors are prepared ahead, not timed
-        handle, state = agent.post(op, remote, local_descs, remote_descs, "DRAM", "DRAM")
+        mem = layout.mem_type
+        handle, state = agent.post(op, remote, local_descs, remote_descs, mem, mem)
         t_posted = time.perf_counter()
         while state == "PROC":
             state = agent.state(handle)
@@ -106,21 +128,36 @@ def _block_ids(num_blocks: int, pattern: str) -> list[int]:
     return list(range(0, num_blocks * step, step))
 
 
-def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[dict]:
+def _d2d_copy_ms(num_bytes: int, repeats: int) -> float:
+    """Median time of one device-to-device copy of `num_bytes` on GPU 0 (CUDA events)."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for r in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if r:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
+    """Every grid point for one KV shape; `spec.num_blocks` is sized here."""
     from kvpush.transfer.endpoint import TransferConfig
     from kvpush.transfer.receiver import PrefillAddress
     from kvpush.transfer.wire import Compat, TransferKey
 
-    counts = [n for n in counts if n * block_bytes <= MAX_POINT_BYTES]
+    block_bytes = spec.block_bytes
+    limit = MAX_POINT_BYTES if spec.device == "cpu" else 1 << 40
+    counts = [n for n in counts if n * block_bytes * spec.num_regions <= limit]
     if not counts:
         return []
-    spec = LayoutSpec(
-        num_blocks=2 * max(counts),
-        block_size=TOKENS_PER_BLOCK,
-        num_heads=1,
-        head_bytes=block_bytes // TOKENS_PER_BLOCK,
-        num_regions=1,
-    )
+    spec = replace(spec, num_blocks=2 * max(counts))  # room for the fragmented pattern
     compat = Compat("push", "bench", "uint8", "bench")
     import socket
 
@@ -138,7 +175,7 @@ def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[d
     try:
         for pattern in ("contiguous", "fragmented"):
             for n in counts:
-                ids, tokens = _block_ids(n, pattern), n * TOKENS_PER_BLOCK
+                ids, tokens = _block_ids(n, pattern), n * spec.block_size
                 runs: dict[str, list[float]] = {}
                 for r in range(repeats + 1):  # the first run warms connections up
                     key = TransferKey(uuid.uuid4().hex)
@@ -162,16 +199,24 @@ def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[d
                     }
                     for name, value in sample.items():
                         runs.setdefault(name, []).append(value)
+                num_bytes = n * block_bytes * spec.num_regions
+                if spec.device != "cpu":
+                    runs["d2d_copy_ms"] = [_d2d_copy_ms(num_bytes, repeats)]
                 row = {
                     "block_bytes": block_bytes,
+                    "num_regions": spec.num_regions,
                     "num_blocks": n,
+                    "num_tokens": tokens,
                     "pattern": pattern,
-                    "num_bytes": n * block_bytes,
+                    "num_bytes": num_bytes,
                     "push_descs": out_p.num_descs,
                     "pull_descs": pull["descs"],
                     "repeats": repeats,
                 } | {f"{k}_median": statistics.median(v) for k, v in runs.items()}
-                row["push_gbps"] = row["num_bytes"] / row["push_ms_median"] / 1e6
+                row["push_gbps"] = num_bytes / row["push_ms_median"] / 1e6
+                row["raw_write_gbps"] = num_bytes / row["raw_write_ms_median"] / 1e6
+                if "d2d_copy_ms_median" in row:
+                    row["d2d_gbps"] = num_bytes / row["d2d_copy_ms_median"] / 1e6
                 rows.append(row)
                 _print_row(row)
     finally:
@@ -184,46 +229,84 @@ def _run_block_size(block_bytes: int, counts: list[int], repeats: int) -> list[d
 
 HEADER = (
     f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'pull ms':>8} {'raw ms':>8} "
-    f"{'descs':>5} {'push blk ms':>11} {'pull blk ms':>11} {'GB/s':>6}"
+    f"{'descs':>6} {'push blk ms':>11} {'pull blk ms':>11} {'GB/s':>6} {'d2d ms':>7}"
 )
 
 
 def _print_row(r: dict) -> None:
+    d2d = r.get("d2d_copy_ms_median")
     print(
         f"{r['block_bytes'] // KIB:>6}K {r['num_blocks']:>6} {r['pattern']:>10} "
         f"{r['push_ms_median']:>8.2f} {r['pull_ms_median']:>8.2f} {r['raw_write_ms_median']:>8.2f} "
-        f"{r['push_descs']:>5} {r['push_caller_blocked_ms_median']:>11.3f} "
-        f"{r['pull_caller_blocked_ms_median']:>11.3f} {r['push_gbps']:>6.2f}",
+        f"{r['push_descs']:>6} {r['push_caller_blocked_ms_median']:>11.3f} "
+        f"{r['pull_caller_blocked_ms_median']:>11.3f} {r['push_gbps']:>6.2f} "
+        f"{'-' if d2d is None else f'{d2d:.3f}':>7}",
         flush=True,
     )
 
 
-def main(quick: bool = False, out: Path | None = None) -> int:
-    grid = QUICK_GRID if quick else FULL_GRID
+UCX_TRANSPORT = re.compile(
+    r"\b(cuda_ipc|cuda_copy|gdr_copy|rc_mlx5|rc_verbs|dc_mlx5|ud_mlx5|"
+    r"tcp|sysv|posix|cma|xpmem|knem|self)\b"
+)
+
+
+def _transports(log_dir: str) -> dict:
+    """What UCX printed (UCX_PROTO_INFO) in the benchmark's processes: the transports named
+    on the lines that describe a protocol, and those lines."""
+    lines = []
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            lines += [ln.rstrip() for ln in f if UCX_TRANSPORT.search(ln)]
+    names = sorted({m for ln in lines for m in UCX_TRANSPORT.findall(ln)})
+    unique = list(dict.fromkeys(lines))
+    return {"transports": names, "lines": unique[:200]}
+
+
+def main(quick: bool = False, out: Path | None = None, device: str = "cpu") -> int:
     repeats = 3 if quick else 5
+    memory = "DRAM" if device == "cpu" else "VRAM"
     print(
-        f"kvpush bench transfer ({'quick' if quick else 'full'}): DRAM over NIXL/UCX, "
+        f"kvpush bench transfer ({'quick' if quick else 'full'}): {memory} over NIXL/UCX, "
         f"medians of {repeats} runs",
         flush=True,
     )
+    log_dir = tempfile.mkdtemp(prefix="kvpush-bench-")
+    if device != "cpu":
+        _check_cuda()
+        os.environ.setdefault("UCX_PROTO_INFO", "y")  # which transport carries the WRITE
+        os.environ["KVPUSH_CHILD_LOG_DIR"] = log_dir  # the children's C-level output
     print(HEADER, flush=True)
     rows: list[dict] = []
-    for block_bytes in grid["block_bytes"]:
-        rows += _run_block_size(block_bytes, grid["num_blocks"], repeats)
+    if device == "cpu":
+        grid = QUICK_GRID if quick else FULL_GRID
+        for block_bytes in grid["block_bytes"]:
+            spec = LayoutSpec(
+                block_size=TOKENS_PER_BLOCK,
+                num_heads=1,
+                head_bytes=block_bytes // TOKENS_PER_BLOCK,
+                num_regions=1,
+            )
+            rows += _run_shape(spec, grid["num_blocks"], repeats)
+        shape = "one region, 16-token blocks of 4 KiB to 1 MiB"
+    else:
+        tokens = CUDA_TOKENS["quick" if quick else "full"]
+        spec = QWEN3_32B_TP8
+        rows += _run_shape(spec, [t // spec.block_size for t in tokens], repeats)
+        shape = "Qwen3-32B, one TP-8 rank: 64 layers x K,V regions, 1 KV head of 128, bf16"
     result = {
         "benchmark": "transfer",
         "quick": quick,
-        "memory": "DRAM",
+        "memory": memory,
+        "shape": shape,
         "backend": "UCX",
-        "host": {
-            "machine": platform.machine(),
-            "cpus": _cpu_count(),
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-        },
+        "host": _host(device),
         "created_unix_s": int(time.time()),
         "rows": rows,
     }
+    if device != "cpu":
+        result["ucx"] = _transports(log_dir)
+        print(f"UCX transports seen: {', '.join(result['ucx']['transports']) or 'none printed'}")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
@@ -232,6 +315,37 @@ def main(quick: bool = False, out: Path | None = None) -> int:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
+
+
+def _check_cuda() -> None:
+    try:
+        import torch
+    except ImportError as e:
+        raise SystemExit("--device cuda needs PyTorch with CUDA") from e
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: PyTorch sees no CUDA device")
+
+
+def _host(device: str) -> dict:
+    host = {
+        "machine": platform.machine(),
+        "cpus": _cpu_count(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+    if device != "cpu":
+        import torch
+
+        host |= {
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        }
+    try:
+        from importlib.metadata import version
+
+        host["nixl"] = version("nixl-cu13")
+    except Exception:
+        host["nixl"] = "unknown"
+    return host

@@ -125,6 +125,8 @@ class Endpoint:
         cfg = self.config
         try:
             self.channel = SideChannel(cfg.side_channel_host, cfg.side_channel_port)
+            if self.layout.mem_type == "VRAM":
+                _use_cuda_device(self.layout.dev_id)
             agent_name = f"{cfg.engine_id}-{self.role}-{cfg.rank}-{self.instance_id[:8]}"
             self.agent = Agent(agent_name, cfg.backends)
             self.agent.register(self.layout)
@@ -236,3 +238,11 @@ def resolved(outcome: Outcome) -> Future:
 def _chain(src: Future, dst: Future) -> None:
     if not dst.done():
         dst.set_result(src.result())
+
+
+def _use_cuda_device(dev_id: int) -> None:
+    """UCX's CUDA transports act in the calling thread's current CUDA context: make it the
+    loop thread's, on the device the KV cache lives on, before NIXL registers or posts."""
+    import torch
+
+    torch.cuda.set_device(dev_id)

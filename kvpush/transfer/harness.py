@@ -1,4 +1,5 @@
-"""Run one endpoint in a child process over real DRAM, driven from the parent.
+"""Run one endpoint in a child process over real memory (DRAM, or VRAM on a CUDA GPU),
+driven from the parent.
 
 Used by the transfer tests and by `kvpush bench transfer`: prefill and decode must be
 separate processes with separate NIXL agents, as they are in production.
@@ -36,9 +37,10 @@ class LayoutSpec:
     num_parts: int = 1
     dim_major_parts: tuple[int, ...] = ()
     elem_bytes: int = 1
+    device: str = "cpu"  # or "cuda": the regions are torch tensors on GPU 0
 
-    def build(self, arrays: list[np.ndarray]) -> KVLayout:
-        regions = tuple(RegionSpec(a.ctypes.data, self.block_bytes) for a in arrays)
+    def build(self, addresses: list[int]) -> KVLayout:
+        regions = tuple(RegionSpec(a, self.block_bytes) for a in addresses)
         return KVLayout(
             regions,
             self.num_blocks,
@@ -51,6 +53,7 @@ class LayoutSpec:
             num_parts=self.num_parts,
             dim_major_parts=self.dim_major_parts,
             elem_bytes=self.elem_bytes,
+            mem_type="DRAM" if self.device == "cpu" else "VRAM",
         )
 
     @property
@@ -67,6 +70,40 @@ def fill_pattern(spec: LayoutSpec, seed: int) -> list[np.ndarray]:
     return [
         rng.integers(0, 256, spec.region_num_bytes, dtype=np.uint8) for _ in range(spec.num_regions)
     ]
+
+
+def host_addresses(arrays: list[np.ndarray]) -> list[int]:
+    return [a.ctypes.data for a in arrays]
+
+
+class Memory:
+    """A child's KV regions, filled with a seeded pattern (prefill) or a 0xEE sentinel
+    (decode, so stray writes show): numpy arrays in DRAM, or the same bytes on the GPU."""
+
+    def __init__(self, spec: LayoutSpec, seed: int | None) -> None:
+        if seed is None:
+            host = [np.full(spec.region_num_bytes, 0xEE, np.uint8) for _ in range(spec.num_regions)]
+        else:
+            host = fill_pattern(spec, seed)
+        self.cuda = spec.device != "cpu"
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_device(0)
+            self.regions: list[Any] = [torch.from_numpy(a).to("cuda") for a in host]
+            torch.cuda.synchronize()
+        else:
+            self.regions = host
+
+    def addresses(self) -> list[int]:
+        return [r.data_ptr() if self.cuda else r.ctypes.data for r in self.regions]
+
+    def read(self) -> list[np.ndarray]:
+        return [r.cpu().numpy() if self.cuda else r.copy() for r in self.regions]
+
+    def reset(self) -> None:
+        for r in self.regions:
+            r.fill_(0xEE) if self.cuda else r.fill(0xEE)
 
 
 def _child(
@@ -86,13 +123,15 @@ def _child(
 
         Agent.register = register_half  # type: ignore[method-assign]
 
-    if seed is None:  # decode: a sentinel, so stray writes show
-        arrays = [np.full(spec.region_num_bytes, 0xEE, np.uint8) for _ in range(spec.num_regions)]
-    else:
-        arrays = fill_pattern(spec, seed)
+    log_dir = os.environ.get("KVPUSH_CHILD_LOG_DIR")
+    if log_dir:  # UCX and NIXL print from C: keep their lines per process
+        fd = os.open(f"{log_dir}/{role}-{os.getpid()}.log", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     cls = PrefillEndpoint if role == "prefill" else DecodeEndpoint
     try:
-        endpoint = cls(config, spec.build(arrays))
+        memory = Memory(spec, seed)
+        endpoint = cls(config, spec.build(memory.addresses()))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -116,7 +155,7 @@ def _child(
             elif method == "gauges":
                 result = endpoint.gauges()
             elif method == "regions":
-                result = [a.copy() for a in arrays]
+                result = memory.read()
             elif method == "timed":  # (future id, seconds the calling thread was held)
                 start = time.perf_counter()
                 future = getattr(endpoint, args[0])(*args[1:])
@@ -124,8 +163,7 @@ def _child(
                 futures[id(future)] = future
                 result = (id(future), held_s)
             elif method == "reset":
-                for a in arrays:
-                    a.fill(0xEE)
+                memory.reset()
                 result = None
             else:
                 future = getattr(endpoint, method)(*args)

@@ -176,9 +176,13 @@ def test_handshake_refuses_a_mismatch_naming_both_values(
 
 @pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16)])
 def test_block_size_mismatch_lands_token_exact(sides, src_bs, dst_bs):
+    check_block_sizes(sides, src_bs, dst_bs)
+
+
+def check_block_sizes(sides, src_bs: int, dst_bs: int, device: str = "cpu") -> None:
     port = free_port()
-    prefill = sides("prefill", prefill_config(port), spec(block_size=src_bs))
-    decode = sides("decode", decode_config(), spec(block_size=dst_bs))
+    prefill = sides("prefill", prefill_config(port), spec(block_size=src_bs, device=device))
+    decode = sides("decode", decode_config(), spec(block_size=dst_bs, device=device))
     src_ids = list(range(3, 3 + 96 // src_bs))
     dst_ids = [9, 4, 20, 21, 22, 30][: 96 // dst_bs]
     key = new_key()
@@ -193,24 +197,36 @@ def test_block_size_mismatch_lands_token_exact(sides, src_bs, dst_bs):
         assert np.array_equal(got, exp)
 
 
-def _tp(rank: int, tp: int, heads: int = 4):
+def _tp(rank: int, tp: int, heads: int = 4, device: str = "cpu"):
     per = heads // tp
-    return spec(num_heads=per, first_head=rank * per, total_heads=heads)
+    return spec(num_heads=per, first_head=rank * per, total_heads=heads, device=device)
 
 
 def test_tp1_prefill_to_tp2_decode_splits_heads(sides):
+    tp1_to_tp2(sides)
+
+
+def tp1_to_tp2(sides, device: str = "cpu") -> None:
     port = free_port()
-    prefill = sides("prefill", prefill_config(port), _tp(0, 1))
-    decodes = [sides("decode", decode_config(rank=r, tp_size=2), _tp(r, 2)) for r in range(2)]
+    prefill = sides("prefill", prefill_config(port), _tp(0, 1, device=device))
+    decodes = [
+        sides("decode", decode_config(rank=r, tp_size=2), _tp(r, 2, device=device))
+        for r in range(2)
+    ]
     check_tp(port, [prefill], decodes, prefill_tp=1)
 
 
 def test_tp2_prefill_to_tp1_decode_gathers_heads(sides):
+    tp2_to_tp1(sides)
+
+
+def tp2_to_tp1(sides, device: str = "cpu") -> None:
     port = free_port(span=2)
     prefills = [
-        sides("prefill", prefill_config(port + r, rank=r, tp_size=2), _tp(r, 2)) for r in range(2)
+        sides("prefill", prefill_config(port + r, rank=r, tp_size=2), _tp(r, 2, device=device))
+        for r in range(2)
     ]
-    decode = sides("decode", decode_config(), _tp(0, 1))
+    decode = sides("decode", decode_config(), _tp(0, 1, device=device))
     check_tp(port, prefills, [decode], prefill_tp=2)
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvpush.transfer.harness import LayoutSpec, fill_pattern
+from kvpush.transfer.harness import LayoutSpec, fill_pattern, host_addresses
 from kvpush.transfer.layout import digest, plan_copies, rank_heads, writer_heads
 from tests.transfer.reference import expected_after_push
 
@@ -38,7 +38,10 @@ def check(src_spec, dst_spec, src_ids, dst_ids, start, end, heads=None, pad_tail
     src = fill_pattern(src_spec, 7)
     dst = [np.full(dst_spec.region_num_bytes, 0xEE, np.uint8) for _ in range(dst_spec.num_regions)]
     # Fresh arrays keep their addresses for the plan and the apply step alike.
-    src_layout, dst_layout = src_spec.build(src), dst_spec.build(dst)
+    src_layout, dst_layout = (
+        src_spec.build(host_addresses(src)),
+        dst_spec.build(host_addresses(dst)),
+    )
     heads = heads or range(dst_spec.first_head, dst_spec.first_head + dst_spec.num_heads)
     plan = plan_copies(src_layout, dst_layout, src_ids, dst_ids, start, end, heads, pad_tail)
     got = apply(plan, src, dst, src_layout, dst_layout)
@@ -46,7 +49,7 @@ def check(src_spec, dst_spec, src_ids, dst_ids, start, end, heads=None, pad_tail
         end = -(-end // src_spec.block_size) * src_spec.block_size
     want = expected_after_push(src, dst, src_spec, dst_spec, src_ids, dst_ids, start, end, heads)
     # What decode holds of [start, end) hashes the same as what prefill sent.
-    landed = dst_spec.build(got)
+    landed = dst_spec.build(host_addresses(got))
     assert digest(src_layout, src_ids, start, end, heads) == digest(
         landed, dst_ids, start, end, heads
     )
@@ -130,7 +133,7 @@ def test_nothing_to_write_is_an_empty_plan():
 
 def test_bad_block_ids_are_refused_with_the_limit():
     src = fill_pattern(BASE, 1)
-    layout = BASE.build(src)
+    layout = BASE.build(host_addresses(src))
     with pytest.raises(ValueError, match="out of range 0..31"):
         plan_copies(layout, layout, [0, 1], [0, 99], 0, 32)
     with pytest.raises(ValueError, match="need 2"):

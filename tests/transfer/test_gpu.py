@@ -1,0 +1,110 @@
+"""The push engine with CUDA memory: prefill and decode in two processes on one GPU.
+
+Run on a CUDA host with `pytest -m gpu tests/transfer/test_gpu.py` (docs/benchmarks.md says
+how it ran on an H200); on a host without CUDA every test here is skipped, with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from kvpush.transfer.harness import Side
+from kvpush.transfer.receiver import PrefillAddress
+from tests.transfer.conftest import (
+    SPEC,
+    assert_idle,
+    decode_config,
+    free_port,
+    prefill_config,
+    spec,
+)
+from tests.transfer.test_faults import check_block_sizes, sides, tp1_to_tp2, tp2_to_tp1
+from tests.transfer.test_push import push
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (PyTorch sees none here)"),
+]
+__all__ = ["sides"]  # the fixture, shared with test_faults
+CUDA = spec(device="cuda")
+TRANSPORT = re.compile(r"\b(cuda_ipc|cuda_copy|gdr_copy|rc_mlx5|rc_verbs|tcp|sysv|posix|cma)\b")
+
+
+@pytest.fixture(scope="module")
+def cuda_pair(tmp_path_factory):
+    """Two endpoints over VRAM; UCX prints which protocol and transport each WRITE takes."""
+    log_dir = tmp_path_factory.mktemp("ucx")
+    saved = {k: os.environ.get(k) for k in ("UCX_PROTO_INFO", "KVPUSH_CHILD_LOG_DIR")}
+    os.environ |= {"UCX_PROTO_INFO": "y", "KVPUSH_CHILD_LOG_DIR": str(log_dir)}
+    port = free_port()
+    try:
+        prefill = Side("prefill", prefill_config(port), CUDA, seed=11)
+        decode = Side("decode", decode_config(), CUDA)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    yield prefill, decode, PrefillAddress("127.0.0.1", port), log_dir
+    prefill.close()
+    decode.close()
+
+
+@pytest.mark.parametrize("order", ["register", "prefill-first"])
+def test_cuda_regions_register_and_writes_land_byte_exact(cuda_pair, order):
+    prefill, decode, address, _ = cuda_pair
+    out = push(prefill, decode, address, [1, 2, 3, 4], [10, 11, 12, 13], 64, order=order)
+    assert out.num_descs == SPEC.num_regions
+    assert_idle(prefill, decode)
+
+
+def test_fragmented_cuda_blocks_post_one_descriptor_per_run(cuda_pair):
+    prefill, decode, address, _ = cuda_pair
+    out = push(prefill, decode, address, [1, 2, 3, 7, 8], [20, 21, 40, 41, 42], 80)
+    assert out.num_descs == 3 * SPEC.num_regions  # runs: 1-2 -> 20-21, 3 -> 40, 7-8 -> 41-42
+    assert_idle(prefill, decode)
+
+
+def test_cached_prefix_on_cuda_is_not_written_even_mid_block(cuda_pair):
+    prefill, decode, address, _ = cuda_pair
+    push(prefill, decode, address, [1, 2, 3], [5, 6, 7], 48, cached=24)
+    assert_idle(prefill, decode)
+
+
+def test_ucx_reports_the_transport_that_carried_the_writes(cuda_pair):
+    """Not a speed claim: which UCX transports the VRAM-to-VRAM WRITEs used, printed for
+    docs/benchmarks.md. A GPU-to-GPU path in one host is cuda_ipc (or cuda_copy staging)."""
+    prefill, decode, address, log_dir = cuda_pair
+    push(prefill, decode, address, [1], [2], 16)
+    lines = [
+        ln.rstrip()
+        for f in sorted(log_dir.iterdir())
+        for ln in f.read_text(errors="replace").splitlines()
+        if TRANSPORT.search(ln)
+    ]
+    print("\n".join(dict.fromkeys(lines)))
+    seen = {m for ln in lines for m in TRANSPORT.findall(ln)}
+    assert seen & {"cuda_ipc", "cuda_copy", "gdr_copy"}, f"UCX named no CUDA transport: {seen}"
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16)])
+def test_cuda_block_size_mismatch_lands_token_exact(sides, src_bs, dst_bs):
+    check_block_sizes(sides, src_bs, dst_bs, device="cuda")
+
+
+def test_cuda_tp1_prefill_to_tp2_decode_splits_heads(sides):
+    tp1_to_tp2(sides, device="cuda")
+
+
+def test_cuda_tp2_prefill_to_tp1_decode_gathers_heads(sides):
+    tp2_to_tp1(sides, device="cuda")
