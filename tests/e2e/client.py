@@ -158,3 +158,14 @@ async def abort_after(coro, seconds: float) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await task
+
+
+def kvpush_warnings(*log_paths, last: int = 10, ignore: str = "cancelled by decode") -> str:
+    """The last kvpush warnings in engine logs (but the expected ones): what a failed
+    assertion should show."""
+    out = []
+    for path in log_paths:
+        lines = path.read_text(errors="replace").splitlines()
+        lines = [ln for ln in lines if "WARNING" in ln and "kvpush" in ln and ignore not in ln]
+        out += [f"{path.name}: {ln[:300]}" for ln in lines[-last:]]
+    return "\n".join(out)

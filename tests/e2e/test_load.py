@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvpush.httpclient import async_client
-from tests.e2e.client import abort_after, disagg, plain, wait_idle
+from tests.e2e.client import abort_after, disagg, kvpush_warnings, plain, wait_idle
 
 pytestmark = pytest.mark.e2e
 NEAR_TIE = 1e-3
@@ -59,7 +59,7 @@ def test_32_concurrent_are_byte_exact_and_match_the_plain_engine(pair, mono_url,
         )
 
 
-def test_500_requests_with_random_aborts_leave_nothing_held(pair):
+def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
     rng = random.Random(42)
 
     async def one(c, sem, i):
@@ -80,7 +80,8 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair):
         return [r for r in results if isinstance(r, Exception)]
 
     errors = asyncio.run(go())
-    assert not errors, errors[:3]
+    logs = (engines["prefill"].log_path, engines["decode"].log_path)
+    assert not errors, f"{len(errors)} failed: {errors[:3]}\n{kvpush_warnings(*logs)}"
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
 
 
