@@ -49,6 +49,7 @@ class EngineSpec:
     max_model_len: int = 4096
     prefix_caching: bool | None = None  # default: on, except on decode (honest transfers)
     connector_extra: dict = field(default_factory=dict)
+    kv_load_failure_policy: str | None = None  # vLLM's: "fail" (its default) or "recompute"
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -88,6 +89,8 @@ class EngineSpec:
             extra["side_channel_host"] = self.kv_host
             extra["side_channel_port"] = self.side_channel_port if self.role == "prefill" else 0
         config["kv_connector_extra_config"] = extra | self.connector_extra
+        if self.kv_load_failure_policy:
+            config["kv_load_failure_policy"] = self.kv_load_failure_policy
         return config
 
     def command(self) -> list[str]:
