@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvpush.httpclient import async_client
+
 TIMEOUT = httpx.Timeout(120.0)
 
 
@@ -169,3 +171,28 @@ def kvpush_warnings(*log_paths, last: int = 10, ignore: str = "cancelled by deco
         lines = [ln for ln in lines if "WARNING" in ln and "kvpush" in ln and ignore not in ln]
         out += [f"{path.name}: {ln[:300]}" for ln in lines[-last:]]
     return "\n".join(out)
+
+
+NEAR_TIE = 1e-3  # top-2 log-probability gap below which greedy decoding may go either way
+
+
+async def reference_and_disagg(pair: Pair, mono_url: str, prompts: list, max_tokens: int):
+    """Each prompt through the plain engine one at a time, then all at once through the pair;
+    with top-2 log-probabilities, for `assert_same_or_near_tie`."""
+    async with async_client() as c:
+        wants = [await plain(c, mono_url, p, max_tokens, logprobs=2) for p in prompts]
+        gots = await asyncio.gather(*(disagg(c, pair, p, max_tokens, logprobs=2) for p in prompts))
+    return wants, gots
+
+
+def assert_same_or_near_tie(want: dict, got: dict) -> None:
+    """Greedy outputs equal, or the first difference is at a near-tie of the reference."""
+    w, g = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+    if g["tokens"] == w["tokens"]:
+        return
+    pairs = enumerate(zip(w["tokens"], g["tokens"], strict=False))
+    i = next(i for i, (a, b) in pairs if a != b)
+    top2 = sorted(w["top_logprobs"][i].values(), reverse=True)[:2]
+    assert top2[0] - top2[1] < NEAR_TIE, (
+        f"outputs differ at token {i} where the reference is no near-tie: {top2}"
+    )

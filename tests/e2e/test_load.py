@@ -12,20 +12,21 @@ import httpx
 import pytest
 
 from kvpush.httpclient import async_client
-from tests.e2e.client import abort_after, disagg, kvpush_warnings, plain, wait_idle
+from tests.e2e.client import (
+    abort_after,
+    assert_same_or_near_tie,
+    disagg,
+    kvpush_warnings,
+    reference_and_disagg,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.e2e
-NEAR_TIE = 1e-3
 
 
 def tokens(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 4096) for _ in range(n)]
-
-
-def logprob_tokens(resp: dict) -> tuple[list[str], list[dict]]:
-    lp = resp["choices"][0]["logprobs"]
-    return lp["tokens"], lp["top_logprobs"]
 
 
 def count(path, needle: str) -> int:
@@ -37,26 +38,12 @@ def test_32_concurrent_are_byte_exact_and_match_the_plain_engine(pair, mono_url,
     ok_before = count(decode_log, "checksum ok")
     prompts = [tokens(random.Random(i).randrange(50, 1500), 100 + i) for i in range(32)]
 
-    async def go():
-        async with async_client() as c:
-            wants = [await plain(c, mono_url, p, 16, logprobs=2) for p in prompts]
-            gots = await asyncio.gather(*(disagg(c, pair, p, 16, logprobs=2) for p in prompts))
-            return wants, gots
-
-    wants, gots = asyncio.run(go())
+    wants, gots = asyncio.run(reference_and_disagg(pair, mono_url, prompts, 16))
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=5)
     assert count(decode_log, "checksum ok") - ok_before == 32
     assert count(decode_log, "checksum mismatch") == 0
     for want, got in zip(wants, gots, strict=True):
-        want_tokens, want_top = logprob_tokens(want)
-        got_tokens, _ = logprob_tokens(got)
-        if got_tokens == want_tokens:
-            continue
-        i = next(i for i, (a, b) in enumerate(zip(want_tokens, got_tokens, strict=False)) if a != b)
-        top2 = sorted(want_top[i].values(), reverse=True)[:2]
-        assert top2[0] - top2[1] < NEAR_TIE, (
-            f"outputs differ at token {i} where the reference is no near-tie: {top2}"
-        )
+        assert_same_or_near_tie(want, got)
 
 
 def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):

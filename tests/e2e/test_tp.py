@@ -19,18 +19,18 @@ from kvpush.httpclient import async_client
 from kvpush.launch.engine import EngineSpec
 from tests.e2e.client import (
     Pair,
+    assert_same_or_near_tie,
     body,
     decode_params,
-    disagg,
     kvpush_warnings,
     plain,
     post,
+    reference_and_disagg,
     wait_idle,
 )
 from tests.e2e.conftest import free_port, start
 
 pytestmark = pytest.mark.e2e
-NEAR_TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +66,7 @@ def test_tp1_prefill_to_tp2_decode_matches_the_plain_engine(tp2_pair, mono_url):
     prompts = [tokens(n, 300 + n) for n in (20, 64, 150, 700)]
     offset = engine.log_path.stat().st_size  # the log file may hold earlier runs
 
-    async def go():
-        async with async_client() as c:
-            wants = [await plain(c, mono_url, p, 8, logprobs=2) for p in prompts]
-            gots = await asyncio.gather(*(disagg(c, pair, p, 8, logprobs=2) for p in prompts))
-            return wants, gots
-
-    wants, gots = asyncio.run(go())
+    wants, gots = asyncio.run(reference_and_disagg(pair, mono_url, prompts, 8))
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=10)
     log = engine.log_path.read_bytes()[offset:].decode(errors="replace")
     # both decode ranks hash what landed for every request
@@ -80,17 +74,6 @@ def test_tp1_prefill_to_tp2_decode_matches_the_plain_engine(tp2_pair, mono_url):
     assert "checksum mismatch" not in log
     for want, got in zip(wants, gots, strict=True):
         assert_same_or_near_tie(want, got)
-
-
-def assert_same_or_near_tie(want: dict, got: dict) -> None:
-    """Greedy outputs equal, or the first difference is at a near-tie of the reference."""
-    w, g = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
-    if g["tokens"] == w["tokens"]:
-        return
-    pairs = enumerate(zip(w["tokens"], g["tokens"], strict=False))
-    i = next(i for i, (a, b) in pairs if a != b)
-    top2 = sorted(w["top_logprobs"][i].values(), reverse=True)[:2]
-    assert top2[0] - top2[1] < NEAR_TIE, f"outputs differ at token {i}, no near-tie: {top2}"
 
 
 def test_failed_load_is_recomputed_locally_under_the_recompute_policy(tp2_pair, mono_url):
