@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,43 +225,58 @@ def create_app(config: ProxyConfig) -> FastAPI:
             trace.ttft_s = time.monotonic() - trace.start
             metrics.observe_latency(trace)
             return Response(data, 200, media_type="application/json")
-        return RelayResponse(stream(d_resp, p_task, trace, release))
+        return relay_stream(d_resp, p_task, trace, release)
 
-    async def stream(
+    def relay_stream(
         d_resp: httpx.Response, p_task: Any, trace: Trace, release: Any
-    ) -> AsyncIterator[bytes]:
-        chunks = d_resp.aiter_raw().__aiter__()
-        first_s = last_s = None
-        count = 0
-        finished = False
-        try:
+    ) -> RelayResponse:
+        """Stream decode's answer; `close` runs exactly once, however the stream ends."""
+        state: dict[str, Any] = {"finished": False, "closed": False, "reader": None}
+        state |= {"first_s": None, "last_s": None, "n": 0}
+
+        async def chunks() -> AsyncIterator[bytes]:
+            upstream = d_resp.aiter_raw().__aiter__()
             while True:
+                state["reader"] = reader = asyncio.ensure_future(upstream.__anext__())
                 try:
-                    chunk = await race(chunks.__anext__(), p_task)
+                    chunk = await race(reader, p_task)
                 except StopAsyncIteration:
                     break
                 except ProxyError as e:  # prefill failed while decode waited
                     yield sse_error(e.status, e.message)
                     return
                 now = time.monotonic()
-                first_s = first_s or now
-                last_s, count = now, count + 1
+                state["first_s"] = state["first_s"] or now
+                state["last_s"], state["n"] = now, state["n"] + 1
                 yield chunk
-            finished = True
-        finally:
+            state["finished"] = True
+
+        async def close() -> None:
             # Closing decode's connection makes vLLM abort the request. When the client left
             # mid-stream, prefill's leg is cancelled rather than waited for.
+            if state["closed"]:
+                return
+            state["closed"] = True
+            # A read still waiting on decode is not cancelled: httpcore's cleanup of a cancelled
+            # read marks the stream closed but can leave the connection busy, and then closing
+            # the response does nothing. Closing the response ends the read instead.
             await d_resp.aclose()
-            if finished:
+            reader = state["reader"]
+            if reader is not None:
+                await asyncio.wait({reader}, timeout=5)
+            if state["finished"]:
                 await settle(p_task)
             else:
                 p_task.cancel()
             release()
+            first_s, last_s, n = state["first_s"], state["last_s"], state["n"]
             if first_s is not None:
                 trace.ttft_s = first_s - trace.start
-                if count > 1 and last_s:
-                    trace.tpot_s = (last_s - first_s) / (count - 1)
+                if n > 1 and last_s:
+                    trace.tpot_s = (last_s - first_s) / (n - 1)
                 metrics.observe_latency(trace)
+
+        return RelayResponse(chunks(), close)
 
     return app
 
@@ -304,12 +319,15 @@ class RelayResponse(StreamingResponse):
 
     Starlette's StreamingResponse leaves an abandoned generator to the garbage collector (with
     ASGI 2.4 it notices a disconnect only when a send fails), so decode would run on. Here a
-    watcher cancels the stream on `http.disconnect`, and the generator is closed, shielded from
-    that cancellation, before the response returns: its `finally` closes decode's connection.
+    watcher cancels the stream on `http.disconnect`, and `close` (which closes decode's
+    connection) runs shielded from that cancellation before the response returns. It is not
+    left to the generator's `finally`: inside a cancelled scope every await there is
+    cancelled again, so the upstream would stay open.
     """
 
-    def __init__(self, body: AsyncIterator[bytes]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]):
         super().__init__(body, media_type="text/event-stream")
+        self.close = close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def watch(scope_: anyio.CancelScope) -> None:
@@ -325,7 +343,7 @@ class RelayResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.close()
 
 
 async def settle(p_task: Any) -> None:
@@ -347,20 +365,28 @@ async def first_failure(p_task: Any, d_task: asyncio.Task) -> None:
 
 
 async def race(work: Any, p_task: Any) -> Any:
-    """Await `work`, unless the prefill leg fails first."""
+    """Await `work`, unless the prefill leg fails first.
+
+    If the caller is cancelled, `work` is not: it runs on until the caller closes what it
+    reads from (see relay_stream's close), and its outcome is then of no interest."""
     work_task = asyncio.ensure_future(work)
-    if p_task.done():
+    work_task.add_done_callback(_ignore_outcome)
+    if p_task.done() and p_task.exception() is not None:
+        work_task.cancel()
+        raise p_task.exception()
+    waiting = {work_task} if p_task.done() else {work_task, p_task}
+    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    if work_task not in done:
         if p_task.exception() is not None:
             work_task.cancel()
             raise p_task.exception()
-        return await work_task
-    done, _ = await asyncio.wait({work_task, p_task}, return_when=asyncio.FIRST_COMPLETED)
-    if work_task in done:
-        return work_task.result()
-    if p_task.exception() is not None:
-        work_task.cancel()
-        raise p_task.exception()
-    return await work_task
+        await asyncio.wait({work_task})
+    return work_task.result()
+
+
+def _ignore_outcome(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def watch_disconnect(request: Request, work: Any) -> Response:

@@ -165,6 +165,7 @@ class Endpoint:
                 return
             try:
                 result = cmd.fn(*cmd.args)
+                self._gauges = self._read_gauges()  # current before the caller sees it done
                 if isinstance(result, Future):
                     result.add_done_callback(lambda f, c=cmd: _chain(f, c.future))
                 else:

@@ -54,9 +54,10 @@ class PrefillEndpoint(Endpoint):
         """Prefill of `key` is done: write it to decode. Resolves when the blocks may be freed."""
         return self._call(self._on_source, key, Source(list(block_ids), num_tokens))
 
-    def abort(self, key: wire.TransferKey, reason: str) -> None:
-        """The prefill request failed or was aborted: tell decode, hold nothing."""
-        self._call(self._apply_all, self._matcher.abort, key, reason)
+    def abort(self, key: wire.TransferKey, reason: str) -> Future:
+        """The prefill request failed or was aborted: tell decode, hold nothing. Resolves
+        once the loop thread has acted on it (and refreshed the gauges)."""
+        return self._call(self._apply_all, self._matcher.abort, key, reason)
 
     # -- loop thread --------------------------------------------------------------------
     def _on_source(self, key: wire.TransferKey, source: Source) -> Future:

@@ -31,6 +31,7 @@ class PushScheduler:
         self._released: set[str] = set()  # decode: full local hit, prefill told
         self._refused: dict[str, str] = {}  # decode: bad params, failed as a load failure
         self._abandoned: set[str] = set()  # decode: finished while loading; a cancel is out
+        self._settling = 0  # workers' aborts, cancels, releases not acted on yet
 
     # -- decode ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -93,6 +94,9 @@ class PushScheduler:
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        stats = getattr(output, "kv_connector_stats", None)
+        if stats is not None and isinstance(getattr(stats, "data", None), dict):
+            self._settling = int(stats.data.get("settling", 0) or 0)
         for rid in output.finished_recving or ():
             expect = self._loading.pop(rid, None)
             if rid in self._abandoned:
@@ -159,4 +163,4 @@ class PushScheduler:
         }
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._actions or self._sending)
+        return bool(self._actions or self._sending or self._settling)

@@ -41,6 +41,7 @@ def _empty() -> dict[str, Any]:
         "num_descs": 0,
         "failures": {},
         "elapsed_s": [],
+        "settling": 0,
     }
 
 
@@ -67,6 +68,8 @@ class KVPushStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVPushStats:
         o = other.data
         self.data["gauges"] = o.get("gauges") or self.data["gauges"]  # latest wins
+        # across ranks of one step: any rank still settling keeps the engine stepping
+        self.data["settling"] = max(self.data.get("settling", 0), o.get("settling", 0))
         for name in ("transfers", "num_bytes", "num_descs"):
             self.data[name] += o.get(name, 0)
         for cause, n in o.get("failures", {}).items():
@@ -88,7 +91,7 @@ class KVPushStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["gauges"] or d["transfers"] or d["failures"])
+        return not (d["gauges"] or d["transfers"] or d["failures"] or d.get("settling"))
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):

@@ -30,6 +30,8 @@ class PushWorker:
         self._refused: set[str] = set()
         self._stats = KVPushStats()
         self._last_gauges: dict[str, int] = {}
+        self._settling: list[Future] = []  # aborts, cancels, releases not yet acted on
+        self._last_settling = 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.distributed.parallel_state import (
@@ -98,19 +100,19 @@ class PushWorker:
         if isinstance(a, m.Push):
             self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens)
         elif isinstance(a, m.Abort):
-            ep.abort(a.key, a.reason)
+            self._settling.append(ep.abort(a.key, a.reason))
         elif isinstance(a, m.Expect):
             self._futures[a.req_id] = ep.expect(
                 a.key, a.prefill, a.block_ids, a.num_tokens, a.num_cached_tokens
             )
         elif isinstance(a, m.Cancel):
             if a.req_id is None:
-                ep.cancel(a.key, a.prefill)
+                self._settling.append(ep.cancel(a.key, a.prefill))
             elif a.req_id in self._futures:  # else it was reported already: nothing held
                 self._futures[a.req_id] = ep.cancel(a.key)
                 self._cancelled.add(a.req_id)
         elif isinstance(a, m.Release):
-            ep.expect(a.key, a.prefill, [], a.num_tokens, a.num_tokens)
+            self._settling.append(ep.expect(a.key, a.prefill, [], a.num_tokens, a.num_tokens))
         elif isinstance(a, m.Refuse):
             self._refused.add(a.req_id)
 
@@ -153,14 +155,22 @@ class PushWorker:
         return sending, recving, failed
 
     def take_stats(self) -> KVPushStats | None:
-        """Stats for this step, or None when nothing changed since the last one."""
+        """Stats for this step, or None when nothing changed since the last one.
+
+        `settling` counts aborts, cancels and releases the endpoint has not acted on yet: no
+        request waits on them, so without it the engine could go idle before the gauges
+        show their effect. The scheduler keeps the engine stepping while it is above 0."""
+        self._settling = [f for f in self._settling if not f.done()]
+        settling = len(self._settling)
         gauges = self.endpoint.gauges() if self.endpoint is not None else {}
         gauges = {k: v for k, v in gauges.items() if k in GAUGES}
-        if gauges == self._last_gauges and self._stats.is_empty():
+        unchanged = gauges == self._last_gauges and settling == self._last_settling
+        if unchanged and self._stats.is_empty():
             return None
-        self._last_gauges = gauges
+        self._last_gauges, self._last_settling = gauges, settling
         stats, self._stats = self._stats, KVPushStats()
         stats.data["gauges"] = gauges
+        stats.data["settling"] = settling
         return stats
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """A fake vLLM engine, only to inject faults a real engine cannot produce on demand:
-a hung upstream, a 500 in the middle of a stream, a slow first byte. The happy paths run
+a hung upstream, a 500 in the middle of a stream, a slow first byte, a stream that never
+ends. The happy paths run
 against real engines (tests/e2e/test_proxy.py)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
     app = FastAPI()
     app.state.behavior = behavior
     app.state.requests = []
+    app.state.stream_closed = False
 
     @app.get("/health")
     async def health():
@@ -40,6 +42,17 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
             await asyncio.sleep(1.0)
         if not body.get("stream"):
             return {"choices": [{"text": "ok", "index": 0}], "kv_transfer_params": {"x": 1}}
+
+        async def endless():  # until the client goes away
+            try:
+                while True:
+                    yield f"data: {json.dumps({'choices': [{'text': 'x'}]})}\n\n".encode()
+                    await asyncio.sleep(0.05)
+            finally:
+                app.state.stream_closed = True
+
+        if behavior == "endless":
+            return StreamingResponse(endless(), media_type="text/event-stream")
 
         async def events():
             for i in range(3):

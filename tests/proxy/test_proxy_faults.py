@@ -226,3 +226,32 @@ def test_an_engine_that_fails_health_checks_leaves_rotation_and_comes_back():
             for _ in range(4):
                 assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
             assert len(p1.state.requests) == 2 and len(p2.state.requests) == 6
+
+
+def test_client_leaving_mid_stream_closes_decode_at_once():
+    """The real-engine version is in tests/e2e/test_proxy.py; this one pins the mechanism: the
+    decode connection closes as the client leaves, not when a later write fails."""
+    with proxied(decode_behavior="endless") as (url, _, d_app):
+
+        async def go():
+            async with httpx.AsyncClient(timeout=30) as c:
+
+                async def read():
+                    body = {"prompt": "hi", "stream": True}
+                    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+
+                task = asyncio.create_task(read())
+                await asyncio.sleep(0.5)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                deadline = time.monotonic() + 2
+                while not d_app.state.stream_closed:
+                    assert time.monotonic() < deadline, "decode's stream still open after 2 s"
+                    await asyncio.sleep(0.02)
+                status = (await c.get(url + "/status")).json()
+                assert all(e["outstanding"] == 0 for e in status["engines"])
+
+        asyncio.run(go())
