@@ -158,21 +158,25 @@ class Endpoint:
             self.channel.close()
 
     def _run_commands(self) -> None:
+        done: list[tuple[_Command, Any]] = []
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             try:
-                result = cmd.fn(*cmd.args)
-                self._gauges = self._read_gauges()  # current before the caller sees it done
-                if isinstance(result, Future):
-                    result.add_done_callback(lambda f, c=cmd: _chain(f, c.future))
-                else:
-                    cmd.future.set_result(result)
+                done.append((cmd, cmd.fn(*cmd.args)))
             except Exception as e:  # a bad request fails alone; the loop goes on
                 log.warning("kvpush %s: %s", self.role, e)
-                cmd.future.set_result(Outcome(False, str(e)))
+                done.append((cmd, Outcome(False, str(e))))
+        if not done:
+            return
+        self._gauges = self._read_gauges()  # current before any caller sees its command done
+        for cmd, result in done:
+            if isinstance(result, Future):
+                result.add_done_callback(lambda f, c=cmd: _chain(f, c.future))
+            else:
+                cmd.future.set_result(result)
 
     def _send(self, link: Link, msg: Any) -> None:
         assert self.channel is not None
