@@ -29,10 +29,9 @@ class EnginePool:
         timeout = httpx.Timeout(
             self.config.request_timeout_s, connect=self.config.connect_timeout_s
         )
-        limits = httpclient.limits(max_connections=1024, max_keepalive=256)
         for s in self.states:
-            self._clients[s.info.url] = httpx.AsyncClient(
-                base_url=s.info.url, timeout=timeout, limits=limits
+            self._clients[s.info.url] = httpclient.async_client(
+                1024, 256, base_url=s.info.url, timeout=timeout
             )
         await self.check_health()
         names = {tuple(s.served_models) for s in self.states if s.served_models}
