@@ -3,7 +3,10 @@
 Push mode: pick both engines first, mint a transfer_id and a request id, send both legs at
 once, stream decode's answer back. Pull mode: prefill first, then decode with the
 kv_transfer_params prefill returned. A leg that fails cancels the other; a client that goes
-away cancels both (closing an upstream connection makes vLLM abort the request).
+away cancels both (closing an upstream connection makes vLLM abort the request). With kvpush's
+connector, a push-mode request that ends without decode's full answer is also ABANDONed at the
+prefill engine's ranks: a decode leg aborted before decode's engine saw it cannot cancel, and
+prefill would otherwise hold its blocks for the lease.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.transfer.router import Abandoner
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,7 @@ log = logging.getLogger(__name__)
 def create_app(config: ProxyConfig) -> FastAPI:
     pool = EnginePool(config)
     metrics = ProxyMetrics()
+    abandoner = Abandoner() if config.connector == "kvpush" else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +47,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             yield
         finally:
             await pool.stop()
+            if abandoner is not None:
+                abandoner.close()
 
     app = FastAPI(title="kvpush proxy", lifespan=lifespan)
     app.state.pool, app.state.metrics = pool, metrics
@@ -140,11 +147,21 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 pool.release(prefill, tokens)
                 pool.release(decode, tokens, waiting=not p_task.done() or p_task.cancelled())
 
+        def abandon() -> None:
+            if abandoner is not None:
+                metrics.abandoned.inc()
+                abandoner.abandon(
+                    info.kv_host, info.side_channel_port, info.tp_size, transfer_id, "request ended"
+                )
+
         p_task.add_done_callback(lambda _: pool.prefill_done(decode))
         try:
-            return await relay_decode(decode, d_body, chat, headers, p_task, trace, release)
+            return await relay_decode(
+                decode, d_body, chat, headers, p_task, trace, release, abandon
+            )
         except BaseException:
             p_task.cancel()
+            abandon()
             release()
             raise
 
@@ -196,6 +213,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         p_task: Any,
         trace: Trace,
         release: Any,
+        abandon: Callable[[], None] = lambda: None,
     ) -> Response:
         client = pool.client(decode)
         upstream = client.build_request("POST", route(chat), json=d_body, headers=headers)
@@ -225,10 +243,14 @@ def create_app(config: ProxyConfig) -> FastAPI:
             trace.ttft_s = time.monotonic() - trace.start
             metrics.observe_latency(trace)
             return Response(data, 200, media_type="application/json")
-        return relay_stream(d_resp, p_task, trace, release)
+        return relay_stream(d_resp, p_task, trace, release, abandon)
 
     def relay_stream(
-        d_resp: httpx.Response, p_task: Any, trace: Trace, release: Any
+        d_resp: httpx.Response,
+        p_task: Any,
+        trace: Trace,
+        release: Any,
+        abandon: Callable[[], None],
     ) -> RelayResponse:
         """Stream decode's answer; `close` runs exactly once, however the stream ends."""
         state: dict[str, Any] = {"finished": False, "closed": False, "reader": None}
@@ -268,6 +290,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 await settle(p_task)
             else:
                 p_task.cancel()
+                abandon()
             release()
             first_s, last_s, n = state["first_s"], state["last_s"], state["n"]
             if first_s is not None:

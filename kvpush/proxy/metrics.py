@@ -19,6 +19,11 @@ class ProxyMetrics:
             ["mode", "status"],
             registry=r,
         )
+        self.abandoned = Counter(
+            "kvpush_proxy_abandoned",
+            "push-mode requests that ended without decode's full answer, ABANDONed at prefill",
+            registry=r,
+        )
         self.prefill_seconds = Histogram(
             "kvpush_proxy_prefill_leg_seconds",
             "prefill leg latency",

@@ -145,7 +145,10 @@ class Endpoint:
                 envelopes = self.channel.poll(self._poll_timeout_ms())
                 self._run_commands()
                 for env in envelopes:
-                    self._receive(env)
+                    if env.reply_to:
+                        self._receive(env)
+                    else:  # a router: nothing to answer on
+                        self._from_router(env.msg)
                 self._progress()
                 self._tick(time.monotonic())
                 self._gauges = self._read_gauges()
@@ -217,6 +220,9 @@ class Endpoint:
 
     def _receive(self, env: wire.Envelope) -> None:
         raise NotImplementedError
+
+    def _from_router(self, msg: Any) -> None:
+        log.warning("kvpush %s: dropped %s without a reply address", self.role, type(msg).__name__)
 
     def _progress(self) -> None:
         raise NotImplementedError

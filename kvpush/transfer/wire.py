@@ -2,8 +2,9 @@
 
 Decode ranks start every conversation: HELLO, then REGISTER / CANCEL per transfer.
 Prefill ranks answer with HELLO_ACK, CANCEL_ACK, FAIL and DONE. Both send HEARTBEAT while
-they share pending transfers. The data's own completion travels as the NIXL notification of
-the WRITE (a `WrittenMsg`), so it can never overtake the data.
+they share pending transfers. A router may send ABANDON to prefill ranks, unanswered. The
+data's own completion travels as the NIXL notification of the WRITE (a `WrittenMsg`), so it
+can never overtake the data.
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ class HeartbeatMsg(msgspec.Struct, tag="heartbeat"):
     pass
 
 
+class AbandonMsg(msgspec.Struct, tag="abandon"):
+    """From a router, not a decode rank: the client's request is gone. Prefill frees the key's
+    blocks (now, or as soon as prefill finishes) and fails its registrations. It needs no
+    handshake and gets no answer: its envelope has no reply address."""
+
+    key: TransferKey
+    reason: str
+
+
 Msg = (
     HelloMsg
     | HelloAckMsg
@@ -121,6 +131,7 @@ Msg = (
     | FailMsg
     | DoneMsg
     | HeartbeatMsg
+    | AbandonMsg
 )
 
 

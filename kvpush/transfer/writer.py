@@ -91,6 +91,13 @@ class PrefillEndpoint(Endpoint):
         else:
             log.warning("prefill: unexpected %s from %s", type(msg).__name__, peer)
 
+    def _from_router(self, msg: Any) -> None:
+        if not isinstance(msg, wire.AbandonMsg):
+            super()._from_router(msg)
+            return
+        log.debug("prefill: transfer %s abandoned by the router: %s", msg.key, msg.reason)
+        self._apply(self._matcher.abort(msg.key, f"abandoned by the router: {msg.reason}"))
+
     def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
         error = None
         mine = self.config.compat

@@ -84,10 +84,11 @@ async def disagg(
     stream: bool = False,
     delay_prefill_s: float = 0.0,
     delay_decode_s: float = 0.0,
+    transfer_id: str | None = None,
     **kw,
 ) -> dict:
     """Both legs at once (one may be delayed to force an arrival order); decode's answer."""
-    tid = uuid.uuid4().hex
+    tid = transfer_id or uuid.uuid4().hex
 
     async def prefill_leg():
         await asyncio.sleep(delay_prefill_s)

@@ -7,11 +7,13 @@ import asyncio
 import os
 import random
 import time
+import uuid
 
 import httpx
 import pytest
 
 from kvpush.httpclient import async_client
+from kvpush.transfer.router import Abandoner
 from tests.e2e.client import (
     abort_after,
     assert_same_or_near_tie,
@@ -47,14 +49,22 @@ def test_32_concurrent_are_byte_exact_and_match_the_plain_engine(pair, mono_url,
 
 
 def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
+    """As a router does, the client ABANDONs each request it aborts at prefill: an abort that
+    beats the decode leg into decode's engine never reaches decode's connector, and prefill
+    would otherwise hold those blocks until the lease (30 s)."""
     rng = random.Random(42)
+    prefill_log = engines["prefill"].log_path
+    log_start = prefill_log.stat().st_size
+    router = Abandoner()
 
     async def one(c, sem, i):
         async with sem:
             p = tokens(rng.randrange(20, 400), 1000 + i)
-            request = disagg(c, pair, p, 4, stream=True)
+            tid = uuid.uuid4().hex
+            request = disagg(c, pair, p, 4, stream=True, transfer_id=tid)
             if rng.random() < 0.3:
                 await abort_after(request, rng.uniform(0.0, 0.4))
+                router.abandon("127.0.0.1", pair.side_channel_port, 1, tid, "client left")
             else:
                 await request
 
@@ -67,13 +77,17 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
             stuck = [x for x in c._transport._pool.connections if "CONNECTING" in repr(x)]
         return [r for r in results if isinstance(r, Exception)], stuck
 
-    errors, stuck = asyncio.run(go())
+    try:
+        errors, stuck = asyncio.run(go())
+    finally:
+        router.close()
     logs = (engines["prefill"].log_path, engines["decode"].log_path)
     # Had the client's pool leaked connections (encode/httpcore#1093), decode legs would hold
     # the slots their prefill legs wait for, until decode's lease ends them.
     assert stuck == [], f"the test client's pool kept {len(stuck)} connections never connected"
     assert not errors, f"{len(errors)} failed: {errors[:3]}\n{kvpush_warnings(*logs)}"
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
+    assert b"lease expired" not in prefill_log.read_bytes()[log_start:]
 
 
 def _tree_cpu_s(pgid: int) -> float:
@@ -111,7 +125,6 @@ def test_cpu_is_idle_within_1s_of_the_last_transfer_and_bounded_while_a_lease_ru
     blocks nobody registered for (a lease), vLLM keeps its engine loop stepping; that cost is
     measured here and printed for docs/benchmarks.md."""
     import json
-    import uuid
 
     from tests.e2e.client import body, decode_params, prefill_params
 

@@ -14,8 +14,9 @@ import pytest
 from kvpush.httpclient import async_client
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
-from tests.e2e.client import abort_after, body, plain, post, text_of, wait_idle
+from tests.e2e.client import abort_after, body, kv_usage, plain, post, text_of, wait_idle
 from tests.e2e.conftest import free_port, start
+from tests.proxy.fake_engine import fake_engine
 from tests.servers import run_server
 
 pytestmark = pytest.mark.e2e
@@ -94,6 +95,40 @@ def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
     wait_idle(*prefill_urls, decode_url, timeout_s=10)
     status = httpx.get(url + "/status").json()
     assert all(e["outstanding"] == 0 for e in status["engines"])
+
+
+def test_decode_leg_lost_before_decode_saw_it_prefill_freed_by_abandon(engines):
+    """A real prefill engine, and a fake decode engine that never answers: it stands for a decode
+    leg aborted before decode's engine saw it, which a real engine cannot be made to do on
+    demand. Nobody registers, so prefill holds its blocks; when the client leaves, the proxy
+    ABANDONs the transfer at prefill, which frees them within 3 s, not at the lease (30 s)."""
+    prefill = engines["prefill"].spec
+    wait_idle(prefill.url, timeout_s=40)  # an earlier test's lease may still run
+    with run_server(fake_engine(behavior="hang")) as fake_url:
+        side = prefill.side_channel_port
+        infos = (
+            EngineInfo(prefill.url, "prefill", prefill.name, "127.0.0.1", side),
+            EngineInfo(fake_url, "decode", "fake-decode"),
+        )
+        with run_server(create_app(ProxyConfig(engines=infos))) as url:
+
+            async def go():
+                async with async_client() as c:
+                    task = asyncio.ensure_future(post(c, url, body(tokens(300, 21), 4)))
+                    for _ in range(200):  # until prefill's leg finished and holds its blocks
+                        await asyncio.sleep(0.05)
+                        if await asyncio.to_thread(kv_usage, prefill.url) > 0:
+                            break
+                    held = await asyncio.to_thread(kv_usage, prefill.url)
+                    await abort_after(task, 0)
+                    return held
+
+            held = asyncio.run(go())
+            assert held > 0
+            took = wait_idle(prefill.url, timeout_s=3)
+            abandoned = httpx.get(url + "/metrics", timeout=10).text
+    assert re.search(r"^kvpush_proxy_abandoned_total 1\.0$", abandoned, re.M), abandoned
+    assert took < 3
 
 
 def test_bench_result_files_follow_the_contract(proxy_url, tmp_path):

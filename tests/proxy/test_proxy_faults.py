@@ -8,19 +8,26 @@ import time
 
 import httpx
 import pytest
+import zmq
 
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.pool import EnginePool
+from kvpush.transfer import wire
 from tests.proxy.fake_engine import fake_engine
 from tests.servers import run_server
 
 
 @contextlib.contextmanager
-def proxied(prefill_behavior="ok", decode_behavior="ok", decode_model="tiny", **settings):
+def proxied(
+    prefill_behavior="ok", decode_behavior="ok", decode_model="tiny", side_port=5600, **settings
+):
     p_app, d_app = fake_engine("tiny", prefill_behavior), fake_engine(decode_model, decode_behavior)
     with run_server(p_app) as p_url, run_server(d_app) as d_url:
-        engines = (EngineInfo(p_url, "prefill", "p0"), EngineInfo(d_url, "decode", "d0"))
+        engines = (
+            EngineInfo(p_url, "prefill", "p0", side_channel_port=side_port),
+            EngineInfo(d_url, "decode", "d0"),
+        )
         config = ProxyConfig(engines=engines, **settings)
         with run_server(create_app(config)) as url:
             yield url, p_app, d_app
@@ -87,6 +94,28 @@ def test_decode_500_becomes_502_naming_the_transfer():
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 502
         assert "KV transfer failed for transfer_id" in r.json()["error"]["message"]
+
+
+def test_only_a_request_that_ends_early_is_abandoned_at_prefill():
+    """The prefill engine's side channel is a bare ZMQ socket here: an answered request sends
+    nothing to it; one whose decode leg failed sends ABANDON for its transfer_id."""
+    ctx = zmq.Context()
+    side = ctx.socket(zmq.ROUTER)
+    try:
+        port = side.bind_to_random_port("tcp://127.0.0.1")
+        with proxied(side_port=port) as (url, p_app, d_app):
+            assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
+            assert not side.poll(500)
+            d_app.state.behavior = "500"
+            assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 502
+            tid = p_app.state.requests[-1]["kv_transfer_params"]["transfer_id"]
+            assert side.poll(5000), "no ABANDON reached prefill's side channel"
+            env = wire.decode_envelope(side.recv_multipart()[-1])
+    finally:
+        side.close()
+        ctx.term()
+    assert isinstance(env.msg, wire.AbandonMsg) and env.reply_to == ""
+    assert env.msg.key == wire.TransferKey(tid, 0)
 
 
 def test_hung_upstream_times_out_instead_of_hanging():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.router import Abandoner
 from kvpush.transfer.wire import TransferKey
 from tests.transfer.conftest import (
     SPEC,
@@ -124,6 +125,44 @@ def test_lease_frees_a_source_nobody_registered_for(pair):
     elapsed = time.monotonic() - start
     assert not out.ok and "decode never registered" in out.reason
     assert 2.9 < elapsed < 4.0  # lease_s = 3
+    assert_idle(prefill, decode)
+
+
+def test_router_abandon_frees_a_finished_source_at_once(pair):
+    """A client left before its decode leg reached decode's engine: nobody registers, and the
+    router's ABANDON frees prefill's blocks now instead of at the lease (3 s here)."""
+    prefill, decode, address = pair
+    key = new_key()
+    fp = prefill.call("push", key, [3, 4], 32)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "source at prefill")
+    router = Abandoner()
+    try:
+        start = time.monotonic()
+        router.abandon(address.host, address.base_port, 1, key.transfer_id, "client left")
+        out = prefill.wait(fp, timeout_s=5)
+    finally:
+        router.close()
+    assert not out.ok and "abandoned by the router: client left" in out.reason
+    assert time.monotonic() - start < 1.0
+    assert_idle(prefill, decode)
+
+
+def test_router_abandon_before_prefill_finishes_fails_decode_and_frees_the_late_source(pair):
+    prefill, decode, address = pair
+    key = new_key()
+    fd = decode.call("expect", key, address, [1, 2], 32)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    router = Abandoner()
+    try:
+        router.abandon(address.host, address.base_port, 1, key.transfer_id, "client left")
+        out_d = decode.wait(fd, timeout_s=5)
+    finally:
+        router.close()
+    assert not out_d.ok and "abandoned by the router" in out_d.reason
+    start = time.monotonic()
+    out_p = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=5)
+    assert not out_p.ok and "already ended" in out_p.reason
+    assert time.monotonic() - start < 1.0
     assert_idle(prefill, decode)
 
 

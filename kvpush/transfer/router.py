@@ -1,0 +1,63 @@
+"""What a router (the proxy, a test client) tells prefill engines: ABANDON a transfer.
+
+A client that leaves can beat its decode leg into decode's engine: the leg is still in vLLM's
+API server when it is aborted, so decode's connector never hears of it and cannot cancel.
+Prefill, whose leg finished, would then hold its blocks for the whole lease. The router knows
+both the transfer and the prefill engine, so it tells every prefill rank directly. The message
+needs no handshake and gets no answer; sending never blocks (ZMQ queues it until the
+connection is up, and drops it at close if it never is: the lease still bounds that case).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from kvpush.transfer import wire
+
+log = logging.getLogger(__name__)
+
+_LINGER_MS = 200  # at close, give queued messages this long to leave
+
+
+class Abandoner:
+    """One DEALER socket per prefill rank address, reused; safe to call from one thread."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    def abandon(
+        self, host: str, base_port: int, tp_size: int, transfer_id: str, reason: str
+    ) -> None:
+        """Tell ranks 0..tp_size-1 (listening on base_port + rank) that `transfer_id` (its
+        first sub-request: the proxy refuses prompt lists and n > 1) is gone."""
+        msg = wire.AbandonMsg(wire.TransferKey(transfer_id, 0), reason)
+        data = wire.encode(wire.Envelope("router", "", msg))
+        for rank in range(tp_size):
+            address = f"tcp://{host}:{base_port + rank}"
+            try:
+                self._socket(address).send(data, zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # never raised to the caller: the lease still bounds it
+                log.warning("router: could not send ABANDON %s to %s: %s", transfer_id, address, e)
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, _LINGER_MS)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close()
+                raise
+            self._sockets[address] = sock
+        return sock
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+        self._ctx.term()
