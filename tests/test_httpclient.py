@@ -32,6 +32,14 @@ def _stuck(client) -> list[str]:
     return [repr(c) for c in client._transport._pool.connections if "CONNECTING" in repr(c)]
 
 
+async def _stuck_then_one_more(client, url) -> tuple[list[str], int]:
+    """The connections that never connected, then the status of one more request (a pool
+    full of them makes it wait forever: bounded here)."""
+    stuck = _stuck(client)
+    r = await asyncio.wait_for(client.get(url), 10)
+    return stuck, r.status_code
+
+
 def test_cancelled_before_connecting_leaves_no_connection_behind():
     with run_server(APP) as url:
 
@@ -44,9 +52,7 @@ def test_cancelled_before_connecting_leaves_no_connection_behind():
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                stuck = _stuck(c)
-                r = await asyncio.wait_for(c.get(url), 10)
-                return stuck, r.status_code
+                return await _stuck_then_one_more(c, url)
 
         stuck, status = asyncio.run(go())
     assert stuck == []
@@ -67,9 +73,7 @@ def test_random_cancellations_under_contention_keep_every_slot_usable():
             async with async_client(4) as c:
                 for _ in range(30):
                     await asyncio.gather(*(one(c) for _ in range(16)))
-                stuck = _stuck(c)
-                r = await asyncio.wait_for(c.get(url), 10)
-                return stuck, r.status_code
+                return await _stuck_then_one_more(c, url)
 
         stuck, status = asyncio.run(go())
     assert stuck == []
