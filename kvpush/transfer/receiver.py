@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ class PrefillAddress:
         return f"tcp://{self.host}:{self.base_port + rank}"
 
 
+_MAX_ENDED = 10_000
+
+
 @dataclass
 class _Expected:
     future: Future
@@ -59,6 +63,9 @@ class DecodeEndpoint(Endpoint):
         self._expected: dict[wire.TransferKey, _Expected] = {}
         self._hello_sent: set[str] = set()
         self._engine_ids: dict[str, str] = {}  # prefill address -> engine id the router named
+        # Keys that ended lately, bounded: a WRITE's notification may still arrive for one of
+        # them (prefill's CANCEL_ACK, sent once that WRITE completed, can overtake it).
+        self._ended: OrderedDict[wire.TransferKey, None] = OrderedDict()
         self.counters = {"checksums_ok": 0, "checksum_mismatches": 0}
         super().__init__(config, layout)
 
@@ -210,7 +217,13 @@ class DecodeEndpoint(Endpoint):
                 exp = self._expected.get(written.key)
                 address = exp.rank_address.get(written.prefill_rank) if exp else None
                 if exp is None or address is None:
-                    log.warning("decode: notification for unknown transfer %s", written.key)
+                    late = written.key in self._ended
+                    log.log(
+                        logging.DEBUG if late else logging.WARNING,
+                        "decode: notification for %s transfer %s",
+                        "ended" if late else "unknown",
+                        written.key,
+                    )
                     continue
                 self._complete(written.key, address, self._verify(exp, written))
 
@@ -260,6 +273,9 @@ class DecodeEndpoint(Endpoint):
                     self._send(self.channel.link(address), wire.CancelMsg(key))
         if not exp.remaining:  # no prefill rank can write any more: resolve
             del self._expected[key]
+            self._ended[key] = None
+            if len(self._ended) > _MAX_ENDED:
+                self._ended.popitem(last=False)
             self._gauges = self._read_gauges()  # current before the caller sees it done
             elapsed = time.monotonic() - exp.started_s
             if not exp.future.done():
