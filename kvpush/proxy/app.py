@@ -30,6 +30,7 @@ from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner
 
 log = logging.getLogger(__name__)
@@ -150,9 +151,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         def abandon() -> None:
             if abandoner is not None:
                 metrics.abandoned.inc()
-                abandoner.abandon(
-                    info.kv_host, info.side_channel_port, info.tp_size, transfer_id, "request ended"
-                )
+                address = PrefillAddress(info.kv_host, info.side_channel_port, info.tp_size)
+                abandoner.abandon(address, transfer_id, "request ended")
 
         p_task.add_done_callback(lambda _: pool.prefill_done(decode))
         try:

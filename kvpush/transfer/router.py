@@ -15,6 +15,7 @@ import logging
 import zmq
 
 from kvpush.transfer import wire
+from kvpush.transfer.receiver import PrefillAddress
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +29,13 @@ class Abandoner:
         self._ctx = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
 
-    def abandon(
-        self, host: str, base_port: int, tp_size: int, transfer_id: str, reason: str
-    ) -> None:
-        """Tell ranks 0..tp_size-1 (listening on base_port + rank) that `transfer_id` (its
-        first sub-request: the proxy refuses prompt lists and n > 1) is gone."""
+    def abandon(self, prefill: PrefillAddress, transfer_id: str, reason: str) -> None:
+        """Tell every rank of `prefill` that `transfer_id` (its first sub-request: the proxy
+        refuses prompt lists and n > 1) is gone."""
         msg = wire.AbandonMsg(wire.TransferKey(transfer_id, 0), reason)
         data = wire.encode(wire.Envelope("router", "", msg))
-        for rank in range(tp_size):
-            address = f"tcp://{host}:{base_port + rank}"
+        for rank in range(prefill.tp_size):
+            address = prefill.rank_address(rank)
             try:
                 self._socket(address).send(data, zmq.NOBLOCK)
             except zmq.ZMQError as e:  # never raised to the caller: the lease still bounds it

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kvpush.httpclient import async_client
+from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner
 from tests.e2e.client import (
     abort_after,
@@ -56,6 +57,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
     prefill_log = engines["prefill"].log_path
     log_start = prefill_log.stat().st_size
     router = Abandoner()
+    prefill_address = PrefillAddress("127.0.0.1", pair.side_channel_port)
 
     async def one(c, sem, i):
         async with sem:
@@ -64,7 +66,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
             request = disagg(c, pair, p, 4, stream=True, transfer_id=tid)
             if rng.random() < 0.3:
                 await abort_after(request, rng.uniform(0.0, 0.4))
-                router.abandon("127.0.0.1", pair.side_channel_port, 1, tid, "client left")
+                router.abandon(prefill_address, tid, "client left")
             else:
                 await request
 

@@ -138,7 +138,7 @@ def test_router_abandon_frees_a_finished_source_at_once(pair):
     router = Abandoner()
     try:
         start = time.monotonic()
-        router.abandon(address.host, address.base_port, 1, key.transfer_id, "client left")
+        router.abandon(address, key.transfer_id, "client left")
         out = prefill.wait(fp, timeout_s=5)
     finally:
         router.close()
@@ -154,7 +154,7 @@ def test_router_abandon_before_prefill_finishes_fails_decode_and_frees_the_late_
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
     router = Abandoner()
     try:
-        router.abandon(address.host, address.base_port, 1, key.transfer_id, "client left")
+        router.abandon(address, key.transfer_id, "client left")
         out_d = decode.wait(fd, timeout_s=5)
     finally:
         router.close()
