@@ -11,9 +11,11 @@ proxy's pools, the benchmarks, the tests):
 - Orphaned connections (httpcore 1.0.9, encode/httpcore#1093). A request cancelled after the
   pool created a connection for it, but before that connection started to connect, leaves the
   connection in the pool for good: never connected, never idle, never closed. Each one takes a
-  slot; once `max_connections` of them pile up, every later request waits forever. A router
-  cancels requests all the time (a client goes away, the other leg failed), so `Transport`
-  reaps such connections whenever a request ends in an exception.
+  slot; once `max_connections` of them pile up, every later request waits forever. The same
+  happens to a connection that did connect when the request is cancelled before it sends:
+  httpcore leaves it in its HTTP/1.1 state NEW, which the pool neither reuses nor expires. A
+  router cancels requests all the time (a client goes away, the other leg failed), so
+  `Transport` drops and closes both kinds whenever a request ends in an exception.
 """
 
 from __future__ import annotations
@@ -31,22 +33,25 @@ def limits(max_connections: int | None = 100, max_keepalive: int | None = 20) ->
     )
 
 
-def reap_orphans(pool) -> int:
-    """Mark as failed every connection in an httpcore pool that never connected and that no
-    request in the pool holds; the pool drops them at its next assignment. Returns how many.
-    Reads httpcore's private state; if its shape changes, it does nothing."""
+def orphans(pool) -> list:
+    """The connections in an httpcore pool that no request holds and that no request can ever
+    take: never connected, or connected but never sent on (httpcore's HTTP/1.1 state NEW, which
+    the pool neither reuses nor expires). Each is a cancelled request's leftover. Reads
+    httpcore's private state; if its shape changes, it finds none."""
     connections = getattr(pool, "_connections", None)
     requests = getattr(pool, "_requests", None)
     if connections is None or requests is None:
-        return 0
+        return []
     held = {id(r.connection) for r in requests if getattr(r, "connection", None) is not None}
-    reaped = 0
+    found = []
     for conn in connections:
-        never_connected = getattr(conn, "_connection", False) is None
-        if never_connected and conn._connect_failed is False and id(conn) not in held:
-            conn._connect_failed = True  # no socket to close: it now reads as closed
-            reaped += 1
-    return reaped
+        if id(conn) in held or getattr(conn, "_connect_failed", True):
+            continue
+        inner = getattr(conn, "_connection", False)
+        state = getattr(getattr(inner, "_state", None), "name", None)
+        if inner is None or state == "NEW":
+            found.append(conn)
+    return found
 
 
 class Transport(httpx.AsyncHTTPTransport):
@@ -57,12 +62,15 @@ class Transport(httpx.AsyncHTTPTransport):
             return await super().handle_async_request(request)
         except BaseException:
             pool = self._pool
-            if reap_orphans(pool):
-                # Hand the freed slots to requests queued behind them now, not at the next
-                # request's arrival.
+            found = orphans(pool)
+            if found:
+                # Drop them, close their sockets, and hand the freed slots to requests queued
+                # behind them now, not at the next request's arrival.
                 with pool._optional_thread_lock:
+                    for conn in found:
+                        pool._connections.remove(conn)
                     closing = pool._assign_requests_to_connections()
-                await pool._close_connections(closing)
+                await pool._close_connections(found + closing)
             raise
 
 

@@ -12,6 +12,16 @@ from typing import Any
 import uvicorn
 
 
+def stuck_connections(client) -> list[str]:
+    """The connections in an httpx client's pool that no request can use again: never connected
+    (CONNECTING) or connected but never sent on (NEW, no request). Read from httpcore's
+    reprs, independently of kvpush.httpclient."""
+    conns = client._transport._pool.connections
+    return [
+        repr(c) for c in conns if "CONNECTING" in repr(c) or ", NEW, Request Count: 0" in repr(c)
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,10 +1,11 @@
 """kvpush's HTTP client survives the cancellations a router makes all the time.
 
 httpcore 1.0.9 leaves a connection in its pool for good when a request is cancelled after the
-pool created the connection for it but before it connected (encode/httpcore#1093); enough of
-them and every later request waits forever. These tests produce exactly that and fail with a
-plain httpx.AsyncClient (checked by swapping it in): the pool keeps a CONNECTING connection
-and the last request times out.
+pool created the connection for it but before it connected (encode/httpcore#1093), or after it
+connected but before it sent (the connection stays NEW); enough of them and every later
+request waits forever. These tests produce both and fail with a plain httpx.AsyncClient
+(checked by swapping it in): the pool keeps CONNECTING or NEW connections and the last request
+times out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from kvpush.httpclient import async_client
-from tests.servers import run_server
+from tests.servers import run_server, stuck_connections
 
 
 async def _slow(request):
@@ -28,14 +29,10 @@ async def _slow(request):
 APP = Starlette(routes=[Route("/", _slow)])
 
 
-def _stuck(client) -> list[str]:
-    return [repr(c) for c in client._transport._pool.connections if "CONNECTING" in repr(c)]
-
-
 async def _stuck_then_one_more(client, url) -> tuple[list[str], int]:
     """The connections that never connected, then the status of one more request (a pool
     full of them makes it wait forever: bounded here)."""
-    stuck = _stuck(client)
+    stuck = stuck_connections(client)
     r = await asyncio.wait_for(client.get(url), 10)
     return stuck, r.status_code
 
