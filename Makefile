@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -v
+	$(BIN)/python -m pytest -v --durations=20
 
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not e2e"
