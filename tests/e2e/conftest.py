@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,8 +27,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_STARTED: list[Engine] = []  # every engine the tests started, checked at the session's end
+
+
+def _running(e: Engine) -> bool:
+    try:
+        os.killpg(e.proc.pid, 0)  # any process left in the engine's group
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_engine_outlives_the_session():
+    """A fixture that loses track of an engine (one restarted in a test, say) leaves it
+    running after the suite: stop it, and fail the session with its name."""
+    yield
+    left = [e for e in _STARTED if _running(e)]
+    for e in left:
+        e.stop()
+    assert not left, f"engines left running by the tests: {[e.spec.name for e in left]}"
+
+
 def start(*specs: EngineSpec) -> list[Engine]:
     engines = [Engine(s, LOG_DIR / f"{s.name}.log") for s in specs]
+    _STARTED.extend(engines)
     try:
         with ThreadPoolExecutor(len(engines)) as pool:
             list(pool.map(lambda e: e.wait_ready(), engines))

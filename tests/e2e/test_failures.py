@@ -38,8 +38,10 @@ def victims(tiny_model):
     prefill, decode = pair_specs(str(tiny_model), 32, 32, lease_s=LEASE_S)
     prefill = replace(prefill, extra_args=("--max-num-batched-tokens", "64"))
     engines = start(prefill, decode)
-    yield {"prefill": engines[0], "decode": engines[1]}
-    for e in engines:
+    victims = {"prefill": engines[0], "decode": engines[1]}
+    yield victims
+    # A test restarts prefill in place: stop what the dict holds now, and the originals.
+    for e in {*engines, *victims.values()}:
         e.stop()
 
 
