@@ -184,6 +184,37 @@ def wait_http(
     raise TimeoutError(f"{what or url} not healthy within {timeout_s} s")
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still runs. Zombies do not count: a process killed a
+    moment ago stays signalable until its new parent reaps it."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except FileNotFoundError:  # no procfs: ask the kernel, zombies included
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class Engine:
     """A running vLLM server (its own process group), stopped with everything it started."""
 
@@ -220,9 +251,11 @@ class Engine:
                 self.proc.wait()
             except ProcessLookupError:
                 pass
-        # Workers vLLM forked may outlive the API server: end the whole group.
+        # Workers vLLM forked may outlive the API server: end the whole group, and return
+        # only once it is gone (its ports and memory free).
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        wait_group_gone(self.proc.pid, 10)
         self._log.close()
 
     def kill(self) -> None:
@@ -230,3 +263,4 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        wait_group_gone(self.proc.pid, 10)

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvpush.launch.engine import Engine, EngineSpec, wait_http
+from kvpush.launch.engine import Engine, EngineSpec, group_alive, wait_group_gone, wait_http
 from kvpush.settings import SETTINGS
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8000
@@ -158,26 +158,14 @@ class Stack:
             state_file().unlink()
 
 
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def _stop_group(pgid: int, timeout_s: float = 20) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
+    if wait_group_gone(pgid, timeout_s):
+        return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+    wait_group_gone(pgid, 10)
 
 
 def up(

@@ -8,14 +8,13 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from kvpush.launch.engine import Engine, EngineSpec
+from kvpush.launch.engine import Engine, EngineSpec, group_alive
 from tests.e2e.client import Pair
 
 LOG_DIR = Path(__file__).resolve().parents[2] / "results" / "e2e-logs"
@@ -30,20 +29,12 @@ def free_port() -> int:
 _STARTED: list[Engine] = []  # every engine the tests started, checked at the session's end
 
 
-def _running(e: Engine) -> bool:
-    try:
-        os.killpg(e.proc.pid, 0)  # any process left in the engine's group
-        return True
-    except ProcessLookupError:
-        return False
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_engine_outlives_the_session():
     """A fixture that loses track of an engine (one restarted in a test, say) leaves it
     running after the suite: stop it, and fail the session with its name."""
     yield
-    left = [e for e in _STARTED if _running(e)]
+    left = [e for e in _STARTED if group_alive(e.proc.pid)]
     for e in left:
         e.stop()
     assert not left, f"engines left running by the tests: {[e.spec.name for e in left]}"
