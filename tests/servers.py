@@ -16,10 +16,8 @@ def stuck_connections(client) -> list[str]:
     """The connections in an httpx client's pool that no request can use again: never connected
     (CONNECTING) or connected but never sent on (NEW, no request). Read from httpcore's
     reprs, independently of kvpush.httpclient."""
-    conns = client._transport._pool.connections
-    return [
-        repr(c) for c in conns if "CONNECTING" in repr(c) or ", NEW, Request Count: 0" in repr(c)
-    ]
+    reprs = [repr(c) for c in client._transport._pool.connections]
+    return [r for r in reprs if "CONNECTING" in r or ", NEW, Request Count: 0" in r]
 
 
 def free_port() -> int:
