@@ -10,12 +10,13 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from kvpush.httpclient import async_client
 
-TIMEOUT = httpx.Timeout(120.0)
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)  # connect as the proxy does (connect_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ async def disagg(
     transfer_id: str | None = None,
     **kw,
 ) -> dict:
-    """Both legs at once (one may be delayed to force an arrival order); decode's answer."""
+    """Both legs at once (one may be delayed to force an arrival order); decode's answer. As
+    the proxy does, a leg that fails cancels the other."""
     tid = transfer_id or uuid.uuid4().hex
 
     async def prefill_leg():
@@ -102,8 +104,63 @@ async def disagg(
         )
         return await post(client, pair.decode_url, b, chat)
 
-    _, out = await asyncio.gather(prefill_leg(), decode_leg())
+    legs = [
+        asyncio.ensure_future(labelled("prefill", prefill_leg())),
+        asyncio.ensure_future(labelled("decode", decode_leg())),
+    ]
+    try:
+        _, out = await asyncio.gather(*legs)
+    except Exception:
+        for leg in legs:
+            leg.cancel()
+        await asyncio.wait(legs)
+        raise
     return out
+
+
+async def labelled(leg: str, coro):
+    """Await `coro`; an exception it raises carries a note naming the leg, how long it ran and
+    the low-level cause (a reset connection, a local close), for a failing test to print."""
+    start = time.monotonic()
+    try:
+        return await coro
+    except Exception as e:
+        cause = e.__cause__ or e.__context__
+        e.add_note(f"{leg} leg, after {time.monotonic() - start:.2f} s, cause {cause!r}")
+        raise
+
+
+def describe(e: BaseException) -> str:
+    """`repr(e)` with its notes."""
+    notes = getattr(e, "__notes__", ())
+    return f"{e!r}" + (f" [{'; '.join(notes)}]" if notes else "")
+
+
+_TCP_COUNTERS = (
+    "ListenOverflows",
+    "ListenDrops",
+    "TCPSynRetrans",
+    "TCPTimeouts",
+    "RetransSegs",
+    "TCPAbortOnData",
+    "EstabResets",
+)
+
+
+def tcp_counters() -> dict[str, int]:
+    """This host's TCP counters that a lost or reset connection moves (/proc/net/netstat and
+    /proc/net/snmp)."""
+    found: dict[str, int] = {}
+    for path in ("/proc/net/netstat", "/proc/net/snmp"):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            continue
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            for name, value in zip(names.split()[1:], values.split()[1:], strict=False):
+                if name in _TCP_COUNTERS:
+                    found[name] = int(value)
+    return found
 
 
 async def plain(client, url, prompt, max_tokens: int = 16, chat=False, stream=False, **kw):
@@ -141,16 +198,28 @@ def kvpush_gauges(url: str) -> dict[str, float]:
     return {name: float(v) for name, v in _KVPUSH.findall(text) if name in GAUGES}
 
 
-def wait_idle(*urls: str, timeout_s: float) -> float:
-    """KV-cache usage exactly 0.0 and every kvpush gauge 0 on each engine."""
+def wait_idle(*urls: str, timeout_s: float, step_stale: bool = False) -> float:
+    """KV-cache usage exactly 0.0 and every kvpush gauge 0 on each engine.
+
+    Gauges move only with an engine step, and one change can land on an idle engine (a
+    registration for a request prefill never saw, ended by its lease: docs/architecture.md,
+    Gauges). With `step_stale`, for a test that only needs to start from idle engines, an
+    engine whose gauges stay up once its KV usage is 0 gets a 1-token request, one step;
+    a gauge still up after that is held for real."""
     took = wait_usage_zero(*urls, timeout_s=timeout_s)
-    start = time.monotonic()
+    start = stepped = time.monotonic()
     while True:
         held = {u: {k: v for k, v in kvpush_gauges(u).items() if v} for u in urls}
         if not any(held.values()):
             return took
         if time.monotonic() - start > timeout_s:
             raise AssertionError(f"kvpush gauges not 0 within {timeout_s} s: {held}")
+        if step_stale and time.monotonic() - stepped > 2.0:
+            for url in (u for u, h in held.items() if h):
+                httpx.post(
+                    url + "/v1/completions", json=body([5], 1), timeout=30
+                ).raise_for_status()
+            stepped = time.monotonic()
         time.sleep(0.1)
 
 

@@ -1,7 +1,8 @@
 """Aborts, failures and crashes, each with its bound; every block is freed afterwards.
 
 This module starts its own pair (and kills it), with slow chunked prefill on the prefill
-engine (64 tokens a step) so an abort can land mid-prefill, and a 10 s lease.
+engine (64 tokens a step, prompts up to 32k tokens) so an abort can land mid-prefill, and a
+10 s lease.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ LEASE_S = 10.0
 @pytest.fixture(scope="module")
 def victims(tiny_model):
     prefill, decode = pair_specs(str(tiny_model), 32, 32, lease_s=LEASE_S)
-    prefill = replace(prefill, extra_args=("--max-num-batched-tokens", "64"))
+    prefill = replace(prefill, extra_args=("--max-num-batched-tokens", "64"), max_model_len=32768)
+    decode = replace(decode, max_model_len=32768)
     engines = start(prefill, decode)
     victims = {"prefill": engines[0], "decode": engines[1]}
     yield victims
@@ -95,7 +97,9 @@ def test_decode_abort_at_any_moment_frees_both_within_2s(fpair, after_s):
 def test_prefill_abort_fails_decode_within_1s(fpair):
     async def go():
         async with async_client() as c:
-            tid, p = uuid.uuid4().hex, prompt(3000, 3)  # ~47 prefill steps of 64 tokens
+            # ~310 prefill steps of 64 tokens, a few seconds: at 3,000 tokens (47 steps, about
+            # 0.3 s on an idle machine) prefill could finish before the abort landed.
+            tid, p = uuid.uuid4().hex, prompt(20000, 3)
             decode = asyncio.ensure_future(decode_leg(c, fpair, tid, p, stream=False))
             await asyncio.sleep(0.5)
             await abort_after(prefill_leg(c, fpair, tid, p), 0.3)
