@@ -215,6 +215,18 @@ def wait_group_gone(pgid: int, timeout_s: float) -> bool:
     return True
 
 
+def stop_group(pgid: int, timeout_s: float = 20) -> bool:
+    """SIGTERM a process group, SIGKILL it if it is still there after `timeout_s`; whether it
+    is gone when this returns."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    if wait_group_gone(pgid, timeout_s):
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    return wait_group_gone(pgid, 10)
+
+
 class Engine:
     """A running vLLM server (its own process group), stopped with everything it started."""
 

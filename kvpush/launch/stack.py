@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvpush.launch.engine import Engine, EngineSpec, group_alive, wait_group_gone, wait_http
+from kvpush.launch.engine import Engine, EngineSpec, group_alive, stop_group, wait_http
 from kvpush.settings import SETTINGS
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8000
@@ -150,22 +149,12 @@ class Stack:
 
     def stop(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
-            _stop_group(self.proxy.pid)
+            stop_group(self.proxy.pid)
             self.proxy.wait()
         for engine in self.engines:
             engine.stop()
         with contextlib.suppress(FileNotFoundError):
             state_file().unlink()
-
-
-def _stop_group(pgid: int, timeout_s: float = 20) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    if wait_group_gone(pgid, timeout_s):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    wait_group_gone(pgid, 10)
 
 
 def up(
@@ -225,7 +214,7 @@ def down() -> int:
         print("no kvpush stack is running")
         return 0
     for pgid in state["pgids"]:
-        _stop_group(pgid)
+        stop_group(pgid)
     state_file().unlink(missing_ok=True)
     print(f"stopped {len(state['pgids'])} process groups")
     return 0

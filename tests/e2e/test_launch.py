@@ -17,7 +17,7 @@ import warnings
 import httpx
 import pytest
 
-from kvpush.launch.engine import group_alive, wait_group_gone
+from kvpush.launch.engine import group_alive, stop_group
 from tests.e2e.conftest import free_port
 from tests.servers import free_port as free_proxy_port
 
@@ -42,14 +42,11 @@ def wait_health(url: str, procs: list[subprocess.Popen], timeout_s: float = 600)
 def stop(procs: list[subprocess.Popen]) -> None:
     """Stop each process group and wait until all of it is gone, not only its leader: a vLLM
     worker left behind with NIXL's progress thread would spin a core through later tests."""
-    for p in procs:
-        if group_alive(p.pid):
+    for p in procs:  # all at once; stop_group then waits for each
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
     for p in procs:
-        if not wait_group_gone(p.pid, 30):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            assert wait_group_gone(p.pid, 30), f"process group {p.pid} outlived SIGKILL"
+        assert stop_group(p.pid, 30), f"process group {p.pid} outlived SIGKILL"
         p.wait()
 
 
