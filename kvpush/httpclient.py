@@ -1,25 +1,37 @@
 """HTTP clients for talking to vLLM's API servers.
 
-Two defects of the HTTP stack are worked around here, for every client kvpush opens (the
-proxy's pools, the benchmarks, the tests):
+Every client kvpush opens (the proxy's pools, the benchmarks, the tests) comes from
+`async_client`. It works around defects of the HTTP stack that a router, which cancels requests
+all the time, runs into:
 
 - Keep-alive race. vLLM's server closes a keep-alive connection after 5 idle seconds
   (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and httpx keeps one for 5 seconds too: a request sent on a
   socket the server is closing at that moment fails with ReadError or RemoteProtocolError
   although the engine never saw it. Clients here let idle connections go well before the
   server does.
-- Orphaned connections (httpcore 1.0.9, encode/httpcore#1093). A request cancelled after the
-  pool created a connection for it, but before that connection started to connect, leaves the
-  connection in the pool for good: never connected, never idle, never closed. Each one takes a
-  slot; once `max_connections` of them pile up, every later request waits forever. The same
-  happens to a connection that did connect when the request is cancelled before it sends:
-  httpcore leaves it in its HTTP/1.1 state NEW, which the pool neither reuses nor expires. A
-  router cancels requests all the time (a client goes away, the other leg failed), so
-  `Transport` drops and closes both kinds whenever a request ends in an exception.
+- httpcore 1.0.9's pool (`Pool` below fixes each, in the pass that hands connections out):
+  - It can close a connection it has already handed to a request that has not started on it
+    yet (encode/httpcore#1110): as expired, or to make room for another host when the pool is
+    full. If the close lands after the request sent, the request fails with
+    `ReadError(ClosedResourceError())`: kvpush's own client closed the socket under it.
+  - It can hand one idle connection to two waiting requests in one pass.
+  - It keeps connections no request holds and none can take (encode/httpcore#1093): one
+    created for a request cancelled before it connected, one that connected but was never sent
+    on (HTTP/1.1 state NEW), one left busy because a second cancellation cut its cleanup short.
+    Each takes a slot for good; once `max_connections` pile up, every request waits.
+  - It closes every idle connection once the pool as a whole (not its idle part) exceeds
+    `max_keepalive_connections`.
+- Interrupted cleanup. httpcore "shields" the close of a response from cancellation with anyio,
+  which does not stop asyncio's own `Task.cancel()`: a second cancellation during the close
+  leaves the request in the pool's queue for good, holding its connection. `Pool` runs that
+  close in a task of its own, which a cancellation of the caller does not stop.
 """
 
 from __future__ import annotations
 
+import asyncio
+
+import httpcore
 import httpx
 
 KEEPALIVE_EXPIRY_S = 2.0
@@ -33,45 +45,96 @@ def limits(max_connections: int | None = 100, max_keepalive: int | None = 20) ->
     )
 
 
-def orphans(pool) -> list:
-    """The connections in an httpcore pool that no request holds and that no request can ever
-    take: never connected, or connected but never sent on (httpcore's HTTP/1.1 state NEW, which
-    the pool neither reuses nor expires). Each is a cancelled request's leftover. Reads
-    httpcore's private state; if its shape changes, it finds none."""
-    connections = getattr(pool, "_connections", None)
-    requests = getattr(pool, "_requests", None)
-    if connections is None or requests is None:
-        return []
-    held = {id(r.connection) for r in requests if getattr(r, "connection", None) is not None}
-    found = []
-    for conn in connections:
-        if id(conn) in held or getattr(conn, "_connect_failed", True):
-            continue
-        inner = getattr(conn, "_connection", False)
-        state = getattr(getattr(inner, "_state", None), "name", None)
-        if inner is None or state == "NEW":
-            found.append(conn)
-    return found
+class _ResponseStream:
+    """A response body whose close always finishes: it runs in its own task, so a cancelled
+    caller cannot leave the request queued in the pool (see the module's docstring)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self._closing: asyncio.Future | None = None
+
+    async def __aiter__(self):
+        # The connection's own stream: httpcore's wrapper would run its interruptible close
+        # first when the read fails or is cancelled.
+        try:
+            async for part in getattr(self._inner, "_stream", self._inner):
+                yield part
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._inner.aclose())
+        await asyncio.shield(self._closing)
+
+
+class Pool(httpcore.AsyncConnectionPool):
+    """httpcore's connection pool with the fixes listed in the module's docstring. Reads
+    httpcore's private state (checked by tests/test_httpclient.py); if its shape changes, the
+    pool behaves as httpcore's own."""
+
+    _SHAPE = ("_requests", "_connections", "_max_connections", "_max_keepalive_connections")
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        response = await super().handle_async_request(request)
+        if hasattr(response.stream, "_pool_request"):
+            response.stream = _ResponseStream(response.stream)
+        return response
+
+    def _assign_requests_to_connections(self) -> list:
+        if not all(hasattr(self, name) for name in self._SHAPE):
+            return super()._assign_requests_to_connections()
+        # A connection a request holds (waiting to start on it, or using it) is that request's:
+        # never closed here, never handed to another.
+        held = {id(r.connection) for r in self._requests if r.connection is not None}
+        closing = []
+        for conn in list(self._connections):
+            if conn.is_closed():
+                self._connections.remove(conn)
+            elif id(conn) in held:
+                continue
+            elif conn.has_expired() or not conn.is_idle():
+                # Expired, or a leftover no request holds and none can take (never connected,
+                # never sent on, or busy after an interrupted cleanup).
+                self._connections.remove(conn)
+                closing.append(conn)
+        idle = [c for c in self._connections if c.is_idle() and id(c) not in held]
+        keep = self._max_keepalive_connections
+        if keep is not None and len(idle) > keep:
+            for conn in idle[: len(idle) - keep]:  # the longest in the pool go first
+                self._connections.remove(conn)
+                closing.append(conn)
+
+        for pool_request in [r for r in self._requests if r.is_queued()]:
+            origin = pool_request.request.url.origin
+            free = [c for c in self._connections if id(c) not in held and c.is_available()]
+            reusable = [c for c in free if c.can_handle_request(origin)]
+            if reusable:
+                conn = reusable[0]
+            elif self._max_connections is None or len(self._connections) < self._max_connections:
+                conn = self.create_connection(origin)
+                self._connections.append(conn)
+            elif spare := [c for c in free if c.is_idle()]:
+                # Full: close an idle connection to another host to make room.
+                self._connections.remove(spare[0])
+                closing.append(spare[0])
+                conn = self.create_connection(origin)
+                self._connections.append(conn)
+            else:
+                continue  # waits for a connection to come free
+            pool_request.assign_to_connection(conn)
+            held.add(id(conn))
+        return closing
 
 
 class Transport(httpx.AsyncHTTPTransport):
-    """httpx's transport, but a cancelled or failed request leaves no orphaned connection."""
+    """httpx's transport on `Pool`."""
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            return await super().handle_async_request(request)
-        except BaseException:
-            pool = self._pool
-            found = orphans(pool)
-            if found:
-                # Drop them, close their sockets, and hand the freed slots to requests queued
-                # behind them now, not at the next request's arrival.
-                with pool._optional_thread_lock:
-                    for conn in found:
-                        pool._connections.remove(conn)
-                    closing = pool._assign_requests_to_connections()
-                await pool._close_connections(found + closing)
-            raise
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        if type(self._pool) is httpcore.AsyncConnectionPool:
+            self._pool.__class__ = Pool
 
 
 def async_client(

@@ -13,11 +13,11 @@ import uvicorn
 
 
 def stuck_connections(client) -> list[str]:
-    """The connections in an httpx client's pool that no request can use again: never connected
-    (CONNECTING) or connected but never sent on (NEW, no request). Read from httpcore's
-    reprs, independently of kvpush.httpclient."""
+    """The connections in an httpx client's pool that no request can use again, read when no
+    request is in flight: any not idle and not closed (never connected, never sent on, or left
+    busy). Read from httpcore's reprs, independently of kvpush.httpclient."""
     reprs = [repr(c) for c in client._transport._pool.connections]
-    return [r for r in reprs if "CONNECTING" in r or ", NEW, Request Count: 0" in r]
+    return [r for r in reprs if ", IDLE, " not in r and ", CLOSED, " not in r]
 
 
 def free_port() -> int:

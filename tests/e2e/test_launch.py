@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 
 import httpx
 import pytest
@@ -133,12 +132,12 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
                 assert '"NixlPushConnector", "kv_role": "kv_consumer"' in decode_line
                 prefill_log = (tmp_path / "prefill.log").read_text()
                 assert prefill_log.count('"POST /v1/completions HTTP/1.1" 200') >= 1
-                warnings.warn(
+                # Reported as an expected failure of vLLM's connector, not as a pass (a warning
+                # would not do: the suite turns warnings into errors).
+                pytest.xfail(
                     "vLLM's NixlPushConnector lost all three requests: its handshake with "
-                    "decode timed out (see docs/architecture.md)",
-                    stacklevel=1,
+                    "decode timed out (see docs/architecture.md)"
                 )
-                return
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
     finally:

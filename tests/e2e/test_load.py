@@ -8,7 +8,6 @@ import os
 import random
 import time
 import uuid
-import warnings
 
 import httpx
 import pytest
@@ -58,10 +57,10 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
     beats the decode leg into decode's engine never reaches decode's connector, and prefill
     would otherwise hold those blocks until the lease (30 s).
 
-    A leg that gets no HTTP answer at all (a reset or refused connection: the network's
-    failure, not an engine's) is handled as the proxy handles it: the other leg is cancelled
-    and prefill is told. A few are allowed, each named with its cause and the host's TCP
-    counters; any failure an engine reports fails the test."""
+    Every request that is not aborted must succeed. CI lost legs here three times, with no
+    HTTP answer, to defects of the client's own connection pool (kvpush.httpclient, which the
+    proxy uses too). A failure names each failed leg, how long it ran and its low-level cause,
+    with the host's TCP counters and the engines' last kvpush warnings."""
     rng = random.Random(42)
     prefill_log = engines["prefill"].log_path
     log_start = prefill_log.stat().st_size
@@ -82,9 +81,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
                     await request
             except Exception as e:
                 router.abandon(prefill_address, tid, "a leg failed")
-                lost = isinstance(e, httpx.TransportError)
-                what = f"{tid} ({'aborted' if aborted else 'completed'}): {describe(e)}"
-                return ("lost" if lost else "failed"), tid, what
+                return f"{tid} ({'aborted' if aborted else 'completed'}): {describe(e)}"
 
     async def go():
         sem = asyncio.Semaphore(16)
@@ -93,37 +90,26 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
                 *(one(c, sem, i) for i in range(500)), return_exceptions=True
             )
             stuck = stuck_connections(c)
-        outcomes = [
-            ("failed", "?", repr(r)) if isinstance(r, BaseException) else r
-            for r in results
-            if r is not None
-        ]
-        return outcomes, stuck
+        failed = [describe(r) if isinstance(r, BaseException) else r for r in results]
+        return [f for f in failed if f is not None], stuck
 
     tcp_before = tcp_counters()
     try:
-        outcomes, stuck = asyncio.run(go())
+        failed, stuck = asyncio.run(go())
     finally:
         router.close()
     tcp = {k: v - tcp_before.get(k, 0) for k, v in tcp_counters().items()}
-    failed = [what for kind, _, what in outcomes if kind == "failed"]
-    lost = {tid: what for kind, tid, what in outcomes if kind == "lost"}
     logs = (engines["prefill"].log_path, engines["decode"].log_path)
     diagnosis = f"TCP counters during the run: {tcp}\n{kvpush_warnings(*logs, last=20)}"
     # Had the client's pool leaked connections (encode/httpcore#1093), decode legs would hold
     # the slots their prefill legs wait for, until decode's lease ends them.
     assert stuck == [], f"the test client's pool kept {len(stuck)} unusable connections"
     assert not failed, f"{len(failed)} failed: {failed[:6]}\n{diagnosis}"
-    assert len(lost) <= 5, f"{len(lost)} legs got no answer: {list(lost.values())[:6]}\n{diagnosis}"
-    if lost:
-        warnings.warn(f"{len(lost)} legs got no answer: {list(lost.values())}; {tcp}", stacklevel=1)
-    # A lost prefill leg's registration ends by decode's cancel, maybe on an idle prefill whose
-    # gauge then shows it until its next step (docs/architecture.md, Gauges).
-    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15, step_stale=bool(lost))
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
     expired = [
         line
         for line in prefill_log.read_bytes()[log_start:].decode(errors="replace").splitlines()
-        if "lease expired" in line and not any(tid in line for tid in lost)
+        if "lease expired" in line
     ]
     assert not expired, expired[:5]
 
