@@ -112,17 +112,18 @@ class Pool(httpcore.AsyncConnectionPool):
             reusable = [c for c in free if c.can_handle_request(origin)]
             if reusable:
                 conn = reusable[0]
-            elif self._max_connections is None or len(self._connections) < self._max_connections:
-                conn = self.create_connection(origin)
-                self._connections.append(conn)
-            elif spare := [c for c in free if c.is_idle()]:
-                # Full: close an idle connection to another host to make room.
-                self._connections.remove(spare[0])
-                closing.append(spare[0])
-                conn = self.create_connection(origin)
-                self._connections.append(conn)
             else:
-                continue  # waits for a connection to come free
+                full = self._max_connections is not None
+                full = full and len(self._connections) >= self._max_connections
+                if full:
+                    # Close an idle connection to another host to make room, if there is one.
+                    spare = [c for c in free if c.is_idle()]
+                    if not spare:
+                        continue  # waits for a connection to come free
+                    self._connections.remove(spare[0])
+                    closing.append(spare[0])
+                conn = self.create_connection(origin)
+                self._connections.append(conn)
             pool_request.assign_to_connection(conn)
             held.add(id(conn))
         return closing
