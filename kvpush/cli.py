@@ -33,7 +33,10 @@ def _proxy(args: argparse.Namespace) -> int:
 def _bench_proxy(args: argparse.Namespace) -> int:
     from kvpush.bench import proxy
 
-    return proxy.main(out=Path(args.out) if args.out else None)
+    return proxy.main(
+        out=Path(args.out) if args.out else None,
+        profile=Path(args.profile) if args.profile else None,
+    )
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -103,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.set_defaults(func=_bench_transfer)
     bproxy = bench_sub.add_parser("proxy", help="the proxy's added latency and requests/s")
     bproxy.add_argument("--out", help="JSON file to write")
+    bproxy.add_argument(
+        "--profile", help="run the proxy under cProfile, write its stats here, print the top"
+    )
     bproxy.set_defaults(func=_bench_proxy)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
     bserve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,mono")
@@ -181,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     # SIGTERM unwinds like Ctrl-C, so every stack a command started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return int(args.func(args) or 0)

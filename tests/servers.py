@@ -1,7 +1,10 @@
-"""Run an ASGI app on a free local port in a background thread, for tests."""
+"""Run a server on a free local port in a background thread, for tests: the proxy's
+aiohttp.web application (with the proxy's own server settings) or an ASGI app (the fake
+engines)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -9,15 +12,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import uvicorn
-
-
-def stuck_connections(client) -> list[str]:
-    """The connections in an httpx client's pool that no request can use again, read when no
-    request is in flight: any not idle and not closed (never connected, never sent on, or left
-    busy). Read from httpcore's reprs, independently of kvpush.httpclient."""
-    reprs = [repr(c) for c in client._transport._pool.connections]
-    return [r for r in reprs if ", IDLE, " not in r and ", CLOSED, " not in r]
+from aiohttp import web
 
 
 def free_port() -> int:
@@ -26,9 +23,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def open_connections(pid: int, ports: set[int]) -> list[str]:
+    """TCP connections of process `pid` to any of `ports`, as the kernel lists them (not as
+    any HTTP client's pool reports them), e.g. 'ESTABLISHED 127.0.0.1:40112 -> :8200'."""
+    return [
+        f"{c.status} {c.laddr.ip}:{c.laddr.port} -> :{c.raddr.port}"
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port in ports and c.status != psutil.CONN_TIME_WAIT
+    ]
+
+
 @contextlib.contextmanager
 def run_server(app: Any, port: int | None = None) -> Iterator[str]:
     port = port or free_port()
+    if isinstance(app, web.Application):
+        with _run_aiohttp(app, port):
+            yield f"http://127.0.0.1:{port}"
+        return
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -42,3 +53,22 @@ def run_server(app: Any, port: int | None = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def _run_aiohttp(app: web.Application, port: int) -> Iterator[None]:
+    from kvpush.proxy.app import runner
+
+    loop = asyncio.new_event_loop()
+    r = runner(app)
+    loop.run_until_complete(r.setup())
+    loop.run_until_complete(web.TCPSite(r, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()

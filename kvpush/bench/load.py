@@ -8,7 +8,6 @@ Per request it records TTFT (first streamed token), ITL (gaps between streamed e
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -16,9 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
-from kvpush.httpclient import async_client
+from kvpush import httpclient
 
 RESERVED_IDS = 3  # the tiny model's special tokens are ids 0..2
 
@@ -45,7 +44,7 @@ def random_prompt(num_tokens: int, rng: random.Random, vocab: int = 4096) -> lis
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int
+    client: aiohttp.ClientSession, url: str, model: str, prompt: list[int], output_len: int
 ) -> RequestResult:
     body = {
         "model": model,
@@ -61,21 +60,18 @@ async def one_request(
     times: list[float] = []
     counted = 0  # completion_tokens from the final usage event
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return RequestResult(False, error=f"HTTP {r.status_code}: {r.text[:200]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+        async with client.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                text = (await r.read()).decode(errors="replace")
+                return RequestResult(False, error=f"HTTP {r.status}: {text[:200]}")
+            async for event in httpclient.sse_events(r):
                 if "error" in event:
                     return RequestResult(False, error=str(event["error"])[:200])
                 if event.get("choices") and event["choices"][0].get("text") is not None:
                     times.append(time.perf_counter())
                 if event.get("usage"):
                     counted = event["usage"].get("completion_tokens") or 0
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, TimeoutError) as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}")
     if not times:
         return RequestResult(False, error="no tokens streamed")
@@ -116,7 +112,7 @@ async def run_load(
             )
         return result
 
-    async with async_client(num_prompts + 8, timeout=httpx.Timeout(600.0)) as client:
+    async with httpclient.session(num_prompts + 8) as client:
         waiting: list[float] = []
         sampler = asyncio.create_task(sample_waiting(client, url, waiting))
         start = time.perf_counter()
@@ -141,16 +137,19 @@ async def run_load(
 WAITING = re.compile(r"^kvpush_proxy_decode_waiting_on_prefill\{[^}]*\} (\S+)$", re.M)
 
 
-async def sample_waiting(client: httpx.AsyncClient, url: str, out: list[float]) -> None:
+async def sample_waiting(client: aiohttp.ClientSession, url: str, out: list[float]) -> None:
     """Every 0.25 s, the proxy's count of decode requests whose blocks wait for prefill
     (summed over decode engines). Nothing is recorded against a plain engine."""
     while True:
+        text = None
         try:
-            r = await client.get(url + "/metrics", timeout=5)
-        except httpx.HTTPError:
-            r = None
-        if r is not None and r.status_code == 200:
-            values = WAITING.findall(r.text)
+            async with client.get(url + "/metrics", timeout=aiohttp.ClientTimeout(5)) as r:
+                if r.status == 200:
+                    text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        if text is not None:
+            values = WAITING.findall(text)
             if not values:
                 return  # not a kvpush proxy
             out.append(sum(float(v) for v in values))

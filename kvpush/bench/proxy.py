@@ -1,38 +1,47 @@
 """`kvpush bench proxy`: what the proxy adds per request, and the requests per second it
-sustains, in front of instant fake engines (so only the proxy is measured)."""
+sustains, in front of instant fake engines (so only the proxy is measured).
+
+The fake engines are separate processes (`python -m kvpush.bench.proxy PORT`): aiohttp.web
+apps that answer at once. Percentiles are numpy's, as `vllm bench serve` computes them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-from fastapi import FastAPI
+import numpy as np
+from aiohttp import web
 
-from kvpush.httpclient import async_client
+from kvpush import httpclient
 
-app = FastAPI()  # an engine that answers at once: `uvicorn kvpush.bench.proxy:app`
-
-
-@app.get("/health")
-async def _health() -> dict:
-    return {}
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
 
-@app.get("/v1/models")
-async def _models() -> dict:
-    return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+def instant_engine() -> web.Application:
+    """An engine that answers at once."""
 
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
 
-@app.post("/v1/completions")
-async def _completions() -> dict:
-    return {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1}}
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        answer = {"choices": [{"index": 0, "text": "x"}], "usage": {"completion_tokens": 1}}
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
 
 
 def _port() -> int:
@@ -50,78 +59,76 @@ def _start(cmd: list[str], url: str) -> subprocess.Popen:
 
 
 async def _latencies(url: str, n: int) -> list[float]:
-    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     out = []
-    async with async_client() as c:
+    async with httpclient.session() as c:
         for _ in range(n):
             t0 = time.perf_counter()
-            (await c.post(url + "/v1/completions", json=body)).raise_for_status()
+            async with c.post(url + "/v1/completions", json=BODY) as r:
+                await r.read()
+                r.raise_for_status()
             out.append((time.perf_counter() - t0) * 1e3)
     return out
 
 
 async def _throughput(url: str, concurrency: int, seconds: float) -> float:
-    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     done = 0
     deadline = time.perf_counter() + seconds
 
-    async def worker(c: httpx.AsyncClient) -> None:
+    async def worker(c) -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            (await c.post(url + "/v1/completions", json=body)).raise_for_status()
+            async with c.post(url + "/v1/completions", json=BODY) as r:
+                await r.read()
+                r.raise_for_status()
             done += 1
 
-    async with async_client(concurrency, timeout=30) as c:
+    async with httpclient.session(concurrency) as c:
         start = time.perf_counter()
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
         return done / (time.perf_counter() - start)
 
 
-def main(out: Path | None = None, requests: int = 300, concurrency: int = 32) -> int:
+def main(
+    out: Path | None = None,
+    requests: int = 300,
+    concurrency: int = 32,
+    profile: Path | None = None,
+) -> int:
     ports = {"prefill": _port(), "decode": _port(), "proxy": _port()}
-    uv = [sys.executable, "-m", "uvicorn", "kvpush.bench.proxy:app", "--log-level", "warning"]
     procs = []
     try:
         for role in ("prefill", "decode"):
             url = f"http://127.0.0.1:{ports[role]}"
-            procs.append(_start(uv + ["--port", str(ports[role])], url + "/health"))
+            cmd = [sys.executable, "-m", "kvpush.bench.proxy", str(ports[role])]
+            procs.append(_start(cmd, url + "/health"))
         proxy = f"http://127.0.0.1:{ports['proxy']}"
-        procs.append(
-            _start(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvpush.cli",
-                    "proxy",
-                    "--port",
-                    str(ports["proxy"]),
-                    "--prefill",
-                    f"http://127.0.0.1:{ports['prefill']},engine_id=p0",
-                    "--decode",
-                    f"http://127.0.0.1:{ports['decode']}",
-                ],
-                proxy + "/health",
-            )
-        )
+        run = [sys.executable] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
+        run += ["-m", "kvpush.cli", "proxy", "--port", str(ports["proxy"])]
+        run += ["--prefill", f"http://127.0.0.1:{ports['prefill']},engine_id=p0"]
+        run += ["--decode", f"http://127.0.0.1:{ports['decode']}"]
+        procs.append(_start(run, proxy + "/health"))
         direct = f"http://127.0.0.1:{ports['decode']}"
         asyncio.run(_latencies(proxy, 20))  # warm-up
         base = asyncio.run(_latencies(direct, requests))
         via = asyncio.run(_latencies(proxy, requests))
         rps = asyncio.run(_throughput(proxy, concurrency, 5.0))
     finally:
-        for p in procs:
+        for p in reversed(procs):  # the proxy first, so a profile is written on its way out
             p.terminate()
-            p.wait(timeout=10)
+            p.wait(timeout=30)
     result = {
         "benchmark": "proxy",
         "requests": requests,
         "concurrency": concurrency,
-        "direct_median_ms": statistics.median(base),
-        "proxy_median_ms": statistics.median(via),
-        "added_median_ms": statistics.median(via) - statistics.median(base),
-        "proxy_p99_ms": sorted(via)[int(0.99 * (len(via) - 1))],
+        "direct_median_ms": float(np.median(base)),
+        "direct_p99_ms": float(np.percentile(base, 99)),
+        "proxy_median_ms": float(np.median(via)),
+        "proxy_p99_ms": float(np.percentile(via, 99)),
+        "added_median_ms": float(np.median(via) - np.median(base)),
+        "added_p99_ms": float(np.percentile(via, 99) - np.percentile(base, 99)),
         "proxy_requests_per_s": rps,
-        "upstream": "instant fake engines (prefill and decode)",
+        "upstream": "instant fake engines (prefill and decode, aiohttp.web processes)",
+        "profiled": profile is not None,
         "created_unix_s": int(time.time()),
     }
     from kvpush.bench.serve import hardware
@@ -129,11 +136,20 @@ def main(out: Path | None = None, requests: int = 300, concurrency: int = 32) ->
     result["hardware"] = hardware()
     print(
         f"direct {result['direct_median_ms']:.2f} ms, through the proxy "
-        f"{result['proxy_median_ms']:.2f} ms (both legs), added {result['added_median_ms']:.2f} "
-        f"ms median; {rps:.0f} requests/s at concurrency {concurrency}"
+        f"{result['proxy_median_ms']:.2f} ms (both legs): added {result['added_median_ms']:.2f} "
+        f"ms median, {result['added_p99_ms']:.2f} ms p99; {rps:.0f} requests/s at "
+        f"concurrency {concurrency}"
     )
+    if profile:
+        import pstats
+
+        pstats.Stats(str(profile)).sort_stats("tottime").print_stats(15)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
     return 0
+
+
+if __name__ == "__main__":
+    web.run_app(instant_engine(), host="127.0.0.1", port=int(sys.argv[1]), print=None)

@@ -1,438 +1,182 @@
-"""The P/D proxy: OpenAI-compatible routes in front of prefill and decode engines.
+"""The P/D proxy's HTTP layer (aiohttp.web): OpenAI-compatible routes over `Dispatcher`.
 
-Push mode: pick both engines first, mint a transfer_id and a request id, send both legs at
-once, stream decode's answer back. Pull mode: prefill first, then decode with the
-kv_transfer_params prefill returned. A leg that fails cancels the other; a client that goes
-away cancels both (closing an upstream connection makes vLLM abort the request). With kvpush's
-connector, a push-mode request that ends without decode's full answer is also ABANDONed at the
-prefill engine's ranks: a decode leg aborted before decode's engine saw it cannot cancel, and
-prefill would otherwise hold its blocks for the lease.
+The server runs with `handler_cancellation`: a client that goes away cancels its handler, which
+closes both upstream connections (vLLM aborts both legs) and, with kvpush's connector, ABANDONs
+the transfer at prefill. Engines get one pooled aiohttp client each (`EnginePool`), opened at
+start-up and closed on shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+import signal
+from collections.abc import AsyncIterator
 
-import anyio
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+import msgspec
+from aiohttp import web
 
 from kvpush.proxy.config import EngineState, ProxyConfig
+from kvpush.proxy.dispatch import (
+    DecodeResponse,
+    Dispatcher,
+    PrefillLost,
+    Trace,
+    error_text,
+    route,
+)
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
-from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner
 
 log = logging.getLogger(__name__)
+POOL = web.AppKey("pool", EnginePool)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+_JSON = {"Content-Type": "application/json"}
 
 
-def create_app(config: ProxyConfig) -> FastAPI:
+class HttpLegs:
+    """The two legs over each engine's pooled client."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> dict:
+        client = self.pool.client(engine)
+        data = msgspec.json.encode(body)
+        async with client.post(route(chat), data=data, headers=headers | _JSON) as r:
+            answer = await r.read()
+            if r.status == 200:
+                return msgspec.json.decode(answer)
+        message = f"prefill engine {engine.info.url}: {error_text(r.status, answer)}"
+        if r.status >= 500:
+            raise PrefillLost(f"HTTP {r.status}: {message}")
+        raise ProxyError(r.status, message)
+
+    async def decode(
+        self, engine: EngineState, chat: bool, body: dict, headers: dict
+    ) -> DecodeResponse:
+        data = msgspec.json.encode(body)
+        return await self.pool.client(engine).post(route(chat), data=data, headers=headers | _JSON)
+
+
+def create_app(config: ProxyConfig) -> web.Application:
     pool = EnginePool(config)
     metrics = ProxyMetrics()
     abandoner = Abandoner() if config.connector == "kvpush" else None
+    dispatcher = Dispatcher(config, pool, HttpLegs(pool), metrics, abandoner)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
         await pool.start()
-        try:
-            yield
-        finally:
-            await pool.stop()
-            if abandoner is not None:
-                abandoner.close()
+        yield
+        await pool.stop()
+        if abandoner is not None:
+            abandoner.close()
 
-    app = FastAPI(title="kvpush proxy", lifespan=lifespan)
-    app.state.pool, app.state.metrics = pool, metrics
-
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: web.Request) -> web.Response:
         ok = pool.has_healthy("prefill") and pool.has_healthy("decode")
-        return JSONResponse({"healthy": ok}, 200 if ok else 503)
+        return web.json_response({"healthy": ok}, status=200 if ok else 503)
 
-    @app.get("/status")
-    async def status() -> dict:
-        return {
-            "mode": config.mode,
-            "connector": config.connector,
-            "policy": config.policy,
-            "engines": [pool.describe(s) for s in pool.states],
-        }
-
-    @app.get("/metrics")
-    async def prom() -> Response:
-        metrics.observe_pool(pool)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        data = [{"id": m, "object": "model", "owned_by": "kvpush"} for m in pool.models()]
-        return {"object": "list", "data": data}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, chat=True)
-
-    async def handle(request: Request, chat: bool) -> Response:
-        trace = Trace(request.headers.get("x-request-id"))
-        response = await answer(request, chat, trace)
-        response.headers["X-Request-Id"] = trace.client_id or trace.request_id
-        return response
-
-    async def answer(request: Request, chat: bool, trace: Trace) -> Response:
-        try:
-            body = check_body(await request.body(), pool.models(), config.mode, chat)
-            headers = forward_headers(request, config) | {"X-Request-Id": trace.request_id}
-            dispatch = push if config.mode == "push" else pull
-            response = await watch_disconnect(request, dispatch(body, chat, headers, trace))
-        except httpx.TimeoutException as e:
-            error = ProxyError(
-                504,
-                f"an engine did not answer in time ({type(e).__name__}); "
-                f"request_timeout_s={config.request_timeout_s}",
-            )
-            metrics.requests.labels(config.mode, "504").inc()
-            return error.response()
-        except httpx.HTTPError as e:
-            pool.mark_failed(str(e.request.url) if e.request else "", e)
-            metrics.requests.labels(config.mode, "502").inc()
-            return ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}").response()
-        except ProxyError as e:
-            metrics.requests.labels(config.mode, str(e.status)).inc()
-            return e.response()
-        metrics.requests.labels(config.mode, str(response.status_code)).inc()
-        return response
-
-    async def push(body: dict, chat: bool, headers: dict, trace: Trace) -> Response:
-        tokens = estimate_prompt_tokens(body, chat)
-        prefill, decode = pool.pick("prefill", tokens), pool.pick("decode", tokens)
-        transfer_id = trace.transfer_id = uuid.uuid4().hex
-        request_id = trace.request_id
-        p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
-        info = prefill.info
-        d_body = body | {
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "transfer_id": transfer_id,
-                "remote_engine_id": info.engine_id,
-                "remote_host": info.kv_host,
-                "remote_port": info.side_channel_port,
-                "tp_size": info.tp_size,
-                "pp_size": info.pp_size,
-                # vLLM's NixlPushConnector pairs on the id prefill's engine gives the request
-                "remote_request_id": f"chatcmpl-{request_id}" if chat else f"cmpl-{request_id}-0",
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "mode": config.mode,
+                "connector": config.connector,
+                "policy": config.policy,
+                "engines": [pool.describe(s) for s in pool.states],
             }
-        }
-        pool.acquire(prefill, tokens)
-        pool.acquire(decode, tokens, waiting=True)
-        p_task = asyncio.create_task(timed_prefill(prefill, p_body, chat, headers, trace))
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                pool.release(prefill, tokens)
-                pool.release(decode, tokens, waiting=not p_task.done() or p_task.cancelled())
-
-        def abandon() -> None:
-            if abandoner is not None:
-                metrics.abandoned.inc()
-                address = PrefillAddress(info.kv_host, info.side_channel_port, info.tp_size)
-                abandoner.abandon(address, transfer_id, "request ended")
-
-        p_task.add_done_callback(lambda _: pool.prefill_done(decode))
-        try:
-            return await relay_decode(
-                decode, d_body, chat, headers, p_task, trace, release, abandon
-            )
-        except BaseException:
-            p_task.cancel()
-            abandon()
-            release()
-            raise
-
-    async def pull(body: dict, chat: bool, headers: dict, trace: Trace) -> Response:
-        tokens = estimate_prompt_tokens(body, chat)
-        prefill, decode = pool.pick("prefill", tokens), pool.pick("decode", tokens)
-        p_body = prefill_body(body, chat, {"do_remote_decode": True})
-        pool.acquire(prefill, tokens)
-        try:
-            p_json = await timed_prefill(prefill, p_body, chat, headers, trace)
-        finally:
-            pool.release(prefill, tokens)
-        params = p_json.get("kv_transfer_params")
-        if not params:
-            raise ProxyError(
-                502,
-                f"prefill engine {prefill.info.url} returned no "
-                "kv_transfer_params: is it running NixlConnector?",
-            )
-        pool.acquire(decode, tokens)
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(p_json)
-        return await relay_decode(
-            decode,
-            body | {"kv_transfer_params": params},
-            chat,
-            headers,
-            done,
-            trace,
-            lambda: pool.release(decode, tokens),
         )
 
-    async def timed_prefill(
-        prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
-    ) -> dict:
-        t0 = time.monotonic()
-        r = await pool.client(prefill).post(route(chat), json=p_body, headers=headers)
-        trace.prefill_s = time.monotonic() - t0
-        metrics.prefill_seconds.observe(trace.prefill_s)
-        if r.status_code != 200:
-            raise ProxyError(r.status_code, f"prefill engine {prefill.info.url}: {error_text(r)}")
-        return r.json()
+    async def prom(request: web.Request) -> web.Response:
+        metrics.observe_pool(pool)
+        return web.Response(
+            body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
 
-    async def relay_decode(
-        decode: EngineState,
-        d_body: dict,
-        chat: bool,
-        headers: dict,
-        p_task: Any,
-        trace: Trace,
-        release: Any,
-        abandon: Callable[[], None] = lambda: None,
-    ) -> Response:
-        client = pool.client(decode)
-        upstream = client.build_request("POST", route(chat), json=d_body, headers=headers)
-        d_task = asyncio.create_task(client.send(upstream, stream=True))
+    async def models(request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "kvpush"} for m in pool.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, chat=True)
+
+    async def handle(request: web.Request, chat: bool) -> web.StreamResponse:
+        trace = Trace(request.headers.get("x-request-id"))
+        echo = {"X-Request-Id": trace.client_id or trace.request_id}
         try:
-            await first_failure(p_task, d_task)
-            d_resp = await d_task
-            trace.first_byte_s = time.monotonic() - trace.start
-        except BaseException:
-            d_task.cancel()
-            with contextlib.suppress(BaseException):
-                resp = await d_task
-                await resp.aclose()
+            body = check_body(await request.read(), pool.models(), config.mode, chat)
+            headers = forward_headers(request, config) | {"X-Request-Id": trace.request_id}
+            answer = await dispatcher.dispatch(body, chat, headers, trace)
+        except ProxyError as e:
+            metrics.requests.labels(config.mode, str(e.status)).inc()
+            return e.response(echo)
+        except asyncio.CancelledError:
+            metrics.requests.labels(config.mode, "499").inc()  # the client went away
             raise
-        if d_resp.status_code != 200:
-            await d_resp.aread()
-            await d_resp.aclose()
-            release()
-            raise decode_error(decode, d_resp, trace.transfer_id)
-        if not d_body.get("stream"):
-            try:
-                data = await race(d_resp.aread(), p_task)
-                await settle(p_task)
-            finally:
-                await d_resp.aclose()
-                release()
-            trace.ttft_s = time.monotonic() - trace.start
-            metrics.observe_latency(trace)
-            return Response(data, 200, media_type="application/json")
-        return relay_stream(d_resp, p_task, trace, release, abandon)
+        metrics.requests.labels(config.mode, "200").inc()
+        if answer.body is not None:
+            return web.Response(body=answer.body, headers=_JSON | echo)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | echo
+        )
+        with contextlib.suppress(ConnectionResetError):  # the client left mid-stream
+            await dispatcher.relay(answer, lambda: response.prepare(request), response.write)
+            await response.write_eof()
+        return response
 
-    def relay_stream(
-        d_resp: httpx.Response,
-        p_task: Any,
-        trace: Trace,
-        release: Any,
-        abandon: Callable[[], None],
-    ) -> RelayResponse:
-        """Stream decode's answer; `close` runs exactly once, however the stream ends."""
-        state: dict[str, Any] = {"finished": False, "closed": False, "reader": None}
-        state |= {"first_s": None, "last_s": None, "n": 0}
-
-        async def chunks() -> AsyncIterator[bytes]:
-            upstream = d_resp.aiter_raw().__aiter__()
-            while True:
-                state["reader"] = reader = asyncio.ensure_future(upstream.__anext__())
-                try:
-                    chunk = await race(reader, p_task)
-                except StopAsyncIteration:
-                    break
-                except ProxyError as e:  # prefill failed while decode waited
-                    yield sse_error(e.status, e.message)
-                    return
-                now = time.monotonic()
-                state["first_s"] = state["first_s"] or now
-                state["last_s"], state["n"] = now, state["n"] + 1
-                yield chunk
-            state["finished"] = True
-
-        async def close() -> None:
-            # Closing decode's connection makes vLLM abort the request. When the client left
-            # mid-stream, prefill's leg is cancelled rather than waited for.
-            if state["closed"]:
-                return
-            state["closed"] = True
-            # A read still waiting on decode is not cancelled: httpcore's cleanup of a cancelled
-            # read marks the stream closed but can leave the connection busy, and then closing
-            # the response does nothing. Closing the response ends the read instead.
-            await d_resp.aclose()
-            reader = state["reader"]
-            if reader is not None:
-                await asyncio.wait({reader}, timeout=5)
-            if state["finished"]:
-                await settle(p_task)
-            else:
-                p_task.cancel()
-                abandon()
-            release()
-            first_s, last_s, n = state["first_s"], state["last_s"], state["n"]
-            if first_s is not None:
-                trace.ttft_s = first_s - trace.start
-                if n > 1 and last_s:
-                    trace.tpot_s = (last_s - first_s) / (n - 1)
-                metrics.observe_latency(trace)
-
-        return RelayResponse(chunks(), close)
-
+    app = web.Application()
+    app[POOL], app[METRICS] = pool, metrics
+    app.cleanup_ctx.append(lifespan)
+    app.router.add_get("/health", health)
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", prom)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     return app
 
 
-@dataclass
-class Trace:
-    """One client request's ids and timings (seconds from arrival), logged at debug level."""
-
-    client_id: str | None
-    request_id: str = field(default_factory=lambda: f"kvpush-{uuid.uuid4().hex}")
-    transfer_id: str = ""
-    start: float = field(default_factory=time.monotonic)
-    prefill_s: float | None = None  # prefill leg, send to answer
-    first_byte_s: float | None = None  # decode's response headers
-    ttft_s: float | None = None  # first chunk of the answer relayed
-    tpot_s: float | None = None  # per streamed chunk after the first
-
-    def log(self) -> None:
-        if not log.isEnabledFor(logging.DEBUG):
-            return
-
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v * 1e3:.1f} ms"
-
-        log.debug(
-            "request %s (client id %s, transfer_id %s): prefill leg %s, decode first byte %s, "
-            "TTFT %s, TPOT %s",
-            self.request_id,
-            self.client_id or "-",
-            self.transfer_id or "-",
-            ms(self.prefill_s),
-            ms(self.first_byte_s),
-            ms(self.ttft_s),
-            ms(self.tpot_s),
-        )
+def runner(app: web.Application) -> web.AppRunner:
+    """The proxy's server settings, shared by `kvpush proxy` and the tests."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None)
 
 
-class RelayResponse(StreamingResponse):
-    """A streamed answer whose upstream is closed the moment the client goes away.
+def serve(config: ProxyConfig, host: str, port: int) -> None:
+    """Run the proxy until SIGINT/SIGTERM, on uvloop where it is installed."""
+    try:
+        import uvloop
 
-    Starlette's StreamingResponse leaves an abandoned generator to the garbage collector (with
-    ASGI 2.4 it notices a disconnect only when a send fails), so decode would run on. Here a
-    watcher cancels the stream on `http.disconnect`, and `close` (which closes decode's
-    connection) runs shielded from that cancellation before the response returns. It is not
-    left to the generator's `finally`: inside a cancelled scope every await there is
-    cancelled again, so the upstream would stay open.
-    """
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
 
-    def __init__(self, body: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]):
-        super().__init__(body, media_type="text/event-stream")
-        self.close = close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def watch(scope_: anyio.CancelScope) -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            scope_.cancel()
-
+    async def main() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        r = runner(create_app(config))
+        await r.setup()
+        await web.TCPSite(r, host, port, backlog=1024).start()
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch, tg.cancel_scope)
-                with contextlib.suppress(OSError):  # the client is gone: a send failed
-                    await self.stream_response(send)
-                tg.cancel_scope.cancel()
+            await stop.wait()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.close()
+            await r.cleanup()  # stop accepting, let handlers finish, close the clients
 
-
-async def settle(p_task: Any) -> None:
-    """Decode answered, so prefill is done or about to be: wait for its leg to close."""
-    if not p_task.done():
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(p_task), timeout=10)
-
-
-async def first_failure(p_task: Any, d_task: asyncio.Task) -> None:
-    """Wait for decode's response headers; a prefill failure before that wins."""
-    while not d_task.done():
-        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-        if p_task in done and p_task.exception() is not None:
-            raise p_task.exception()
-        if p_task in done:
-            await d_task
-            return
-
-
-async def race(work: Any, p_task: Any) -> Any:
-    """Await `work`, unless the prefill leg fails first.
-
-    If the caller is cancelled, `work` is not: it runs on until the caller closes what it
-    reads from (see relay_stream's close), and its outcome is then of no interest."""
-    work_task = asyncio.ensure_future(work)
-    work_task.add_done_callback(_ignore_outcome)
-    if p_task.done() and p_task.exception() is not None:
-        work_task.cancel()
-        raise p_task.exception()
-    waiting = {work_task} if p_task.done() else {work_task, p_task}
-    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    if work_task not in done:
-        if p_task.exception() is not None:
-            work_task.cancel()
-            raise p_task.exception()
-        await asyncio.wait({work_task})
-    return work_task.result()
-
-
-def _ignore_outcome(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-async def watch_disconnect(request: Request, work: Any) -> Response:
-    """Run the dispatch; if the client goes away first, cancel it (and so both legs)."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return Response(status_code=499)
-    return task.result()
-
-
-def route(chat: bool) -> str:
-    return "/v1/chat/completions" if chat else "/v1/completions"
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
 
 
 def check_body(raw: bytes, models: list[str], mode: str, chat: bool) -> dict:
     try:
-        body = json.loads(raw)
-    except ValueError as e:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
         raise ProxyError(400, f"request body is not JSON: {e}") from e
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object")
@@ -461,49 +205,8 @@ def check_body(raw: bytes, models: list[str], mode: str, chat: bool) -> dict:
     return body
 
 
-def prefill_body(body: dict, chat: bool, params: dict) -> dict:
-    out = dict(body) | {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)
-    if chat or "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    return out
-
-
-def forward_headers(request: Request, config: ProxyConfig) -> dict[str, str]:
+def forward_headers(request: web.Request, config: ProxyConfig) -> dict[str, str]:
     auth = request.headers.get("authorization")
     if auth is None and config.api_key:
         auth = f"Bearer {config.api_key}"
     return {"Authorization": auth} if auth else {}
-
-
-def estimate_prompt_tokens(body: dict, chat: bool) -> int:
-    """Token ids count exactly; text is estimated at 4 characters a token."""
-    if chat:
-        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
-        return max(1, len(text) // 4)
-    prompt = body["prompt"]
-    return len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
-
-
-def error_text(r: httpx.Response) -> str:
-    try:
-        return r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return r.text[:500] or f"HTTP {r.status_code}"
-
-
-def decode_error(decode: EngineState, r: httpx.Response, transfer_id: str) -> ProxyError:
-    if r.status_code == 500 and transfer_id:
-        return ProxyError(
-            502,
-            f"KV transfer failed for transfer_id {transfer_id}: decode "
-            f"engine {decode.info.url} could not load the KV cache "
-            f"({error_text(r) or 'HTTP 500'})",
-        )
-    return ProxyError(r.status_code, f"decode engine {decode.info.url}: {error_text(r)}")
-
-
-def sse_error(status: int, message: str) -> bytes:
-    event = {"error": {"message": message, "type": "UpstreamError", "code": status}}
-    return f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()

@@ -78,9 +78,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvpush.proxy.app import create_app
+    from kvpush.proxy.app import serve
 
     config = build_config(args)
     log.info(
@@ -91,5 +89,5 @@ def main(args: argparse.Namespace) -> int:
         args.port,
         ", ".join(f"{e.role} {e.url}" for e in config.engines),
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    serve(config, args.host, args.port)
     return 0

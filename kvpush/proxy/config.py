@@ -25,6 +25,8 @@ class EngineInfo:
     side_channel_port: int = 5600
     tp_size: int = 1
     pp_size: int = 1
+    connector: str = ""  # what the engine runs, if its description says; must match the proxy's
+    served_model_name: str = ""  # informational; the proxy reads /v1/models
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -36,8 +38,8 @@ class EngineInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
+        check_keys(d, cls.__dataclass_fields__, f"engine {d.get('url', '?')}")
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,12 @@ class ProxyConfig:
                 raise ValueError(f"the proxy needs at least one {role} engine")
         if self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
+        for e in self.engines:
+            if e.connector and e.connector != self.connector:
+                raise ValueError(
+                    f"engine {e.url} runs connector {e.connector!r}, the proxy "
+                    f"{self.connector!r}: start the proxy with --connector {e.connector}"
+                )
 
     @property
     def mode(self) -> str:
@@ -70,6 +78,13 @@ class ProxyConfig:
 
     def of_role(self, role: str) -> list[EngineInfo]:
         return [e for e in self.engines if e.role == role]
+
+
+def check_keys(d: dict[str, Any], known: Any, where: str) -> None:
+    """Refuse keys a dataclass does not have, naming them and the accepted ones."""
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; accepted: {sorted(known)}")
 
 
 def load_engines(paths: list[str]) -> list[EngineInfo]:
@@ -85,6 +100,7 @@ def load_engines(paths: list[str]) -> list[EngineInfo]:
 
 def load_file(path: str) -> dict[str, Any]:
     data = _read(Path(path))
+    check_keys(data, ProxyConfig.__dataclass_fields__, path)
     data["engines"] = [EngineInfo.from_dict(d) for d in data.get("engines", [])]
     return data
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from aiohttp import web
 
 
 class ProxyError(Exception):
@@ -10,7 +10,7 @@ class ProxyError(Exception):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
         kind = "BadRequestError" if self.status < 500 else "UpstreamError"
         body = {"error": {"message": self.message, "type": kind, "code": self.status}}
-        return JSONResponse(body, self.status, headers=self.headers)
+        return web.json_response(body, status=self.status, headers=self.headers | (headers or {}))

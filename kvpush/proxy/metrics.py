@@ -24,6 +24,13 @@ class ProxyMetrics:
             "push-mode requests that ended without decode's full answer, ABANDONed at prefill",
             registry=r,
         )
+        self.rerouted = Counter(
+            "kvpush_proxy_rerouted",
+            "requests re-sent after their prefill engine failed before the client got a byte: "
+            "to another prefill engine, or to decode as a plain request",
+            ["to"],
+            registry=r,
+        )
         self.prefill_seconds = Histogram(
             "kvpush_proxy_prefill_leg_seconds",
             "prefill leg latency",
@@ -68,7 +75,7 @@ class ProxyMetrics:
         )
 
     def observe_latency(self, trace: Any) -> None:
-        """A finished request's timings (an app.Trace); also logged at debug level."""
+        """A finished request's timings (a dispatch.Trace); also logged at debug level."""
         for histogram, value in (
             (self.first_byte_seconds, trace.first_byte_s),
             (self.ttft_seconds, trace.ttft_s),

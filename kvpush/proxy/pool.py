@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import logging
 
-import httpx
+import aiohttp
 
 from kvpush import httpclient
 from kvpush.proxy.config import EngineState, ProxyConfig
@@ -21,17 +21,17 @@ class EnginePool:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.states = [EngineState(info) for info in config.engines]
-        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._clients: dict[str, aiohttp.ClientSession] = {}
         self._turn = {role: itertools.count() for role in ("prefill", "decode")}
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        timeout = httpx.Timeout(
-            self.config.request_timeout_s, connect=self.config.connect_timeout_s
-        )
         for s in self.states:
-            self._clients[s.info.url] = httpclient.async_client(
-                1024, 256, base_url=s.info.url, timeout=timeout
+            self._clients[s.info.url] = httpclient.session(
+                1024,
+                self.config.request_timeout_s,
+                self.config.connect_timeout_s,
+                base_url=s.info.url,
             )
         await self.check_health()
         names = {tuple(s.served_models) for s in self.states if s.served_models}
@@ -47,10 +47,10 @@ class EnginePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         for client in self._clients.values():
-            await client.aclose()
+            await client.close()
         self._clients.clear()
 
-    def client(self, state: EngineState) -> httpx.AsyncClient:
+    def client(self, state: EngineState) -> aiohttp.ClientSession:
         return self._clients[state.info.url]
 
     async def _health_loop(self) -> None:
@@ -69,30 +69,34 @@ class EnginePool:
 
     async def _check(self, s: EngineState) -> None:
         client = self._clients[s.info.url]
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
         try:
-            r = await client.get("/health", timeout=HEALTH_TIMEOUT_S)
-            r.raise_for_status()
-            models = await client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
-            s.served_models = [m["id"] for m in models.json()["data"]]
+            async with client.get("/health", timeout=timeout) as r:
+                r.raise_for_status()
+            async with client.get("/v1/models", timeout=timeout) as r:
+                r.raise_for_status()
+                s.served_models = [m["id"] for m in (await r.json())["data"]]
             if not s.healthy:
                 log.info("engine %s is healthy again", s.info.url)
             s.healthy, s.error = True, ""
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
             # A busy engine can miss one check; a refused connection or three misses in a
             # row take it out of rotation.
             s.missed_checks += 1
             s.error = f"{type(e).__name__}: {e}"
-            if s.healthy and (isinstance(e, httpx.ConnectError) or s.missed_checks >= 3):
+            refused = isinstance(e, aiohttp.ClientConnectorError)
+            if s.healthy and (refused or s.missed_checks >= 3):
                 log.warning("engine %s is unhealthy: %s", s.info.url, s.error)
                 s.healthy = False
             return
         s.missed_checks = 0
 
-    def mark_failed(self, url: str, error: Exception) -> None:
-        """A connection to this engine failed: skip it until a health check passes."""
-        for s in self.states:
-            if url.startswith(s.info.url) and isinstance(error, httpx.ConnectError):
-                s.healthy, s.error = False, f"{type(error).__name__}: {error}"
+    def mark_failed(self, state: EngineState, error: BaseException) -> None:
+        """The connection to this engine was refused or lost: skip it until a health check
+        passes."""
+        if state.healthy:
+            log.warning("engine %s failed a request: %r; out of rotation", state.info.url, error)
+        state.healthy, state.error = False, f"{type(error).__name__}: {error}"
 
     def has_healthy(self, role: str) -> bool:
         return any(s.healthy and s.info.role == role for s in self.states)
@@ -103,8 +107,23 @@ class EnginePool:
                 return list(s.served_models)
         return []
 
-    def pick(self, role: str, prompt_tokens: int) -> EngineState:
-        candidates = [s for s in self.states if s.info.role == role and s.healthy]
+    def pick_healthy(
+        self, role: str, prompt_tokens: int, exclude: list[EngineState]
+    ) -> EngineState | None:
+        """`pick`, leaving out the engines in `exclude`; None when no engine is left."""
+        try:
+            return self.pick(role, prompt_tokens, exclude)
+        except ProxyError:
+            return None
+
+    def pick(
+        self, role: str, prompt_tokens: int, exclude: list[EngineState] | None = None
+    ) -> EngineState:
+        candidates = [
+            s
+            for s in self.states
+            if s.info.role == role and s.healthy and all(s is not e for e in exclude or ())
+        ]
         if not candidates:
             raise ProxyError(503, f"no healthy {role} engine", {"Retry-After": "1"})
         if role == "decode":

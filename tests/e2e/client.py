@@ -6,17 +6,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvpush.httpclient import async_client
+from kvpush import httpclient
 
-TIMEOUT = httpx.Timeout(120.0, connect=5.0)  # connect as the proxy does (connect_timeout_s)
+
+def session(max_connections: int = 100) -> aiohttp.ClientSession:
+    """The tests' client: kvpush's, with reads bounded at 120 s and connects at 5 s (as the
+    proxy's)."""
+    return httpclient.session(max_connections, read_timeout_s=120.0, connect_timeout_s=5.0)
 
 
 @dataclass(frozen=True)
@@ -51,24 +56,21 @@ def body(prompt, max_tokens: int, chat: bool = False, stream: bool = False, **kw
     return b
 
 
-async def post(client: httpx.AsyncClient, url: str, b: dict, chat: bool = False) -> dict:
+async def post(client: aiohttp.ClientSession, url: str, b: dict, chat: bool = False) -> dict:
+    """The answer; a status other than 200 raises aiohttp.ClientResponseError."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    if not b.get("stream"):
-        r = await client.post(url + path, json=b, timeout=TIMEOUT)
+    async with client.post(url + path, json=b) as r:
+        if r.status != 200:
+            await r.read()
         r.raise_for_status()
-        return r.json()
-    text, ids = [], []
-    async with client.stream("POST", url + path, json=b, timeout=TIMEOUT) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        if not b.get("stream"):
+            return json.loads(await r.read())
+        text = []
+        async for event in httpclient.sse_events(r):
             if "error" in event:
                 raise RuntimeError(event["error"])
-            for choice in event.get("choices", []):
-                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return {"choices": [{"text": "".join(text)}], "streamed": True, "token_ids": ids}
+            text.append(httpclient.sse_text(event))
+    return {"choices": [{"text": "".join(text)}], "streamed": True}
 
 
 def text_of(resp: dict) -> str:
@@ -77,7 +79,7 @@ def text_of(resp: dict) -> str:
 
 
 async def disagg(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     pair: Pair,
     prompt,
     max_tokens: int = 16,
@@ -167,12 +169,23 @@ async def plain(client, url, prompt, max_tokens: int = 16, chat=False, stream=Fa
     return await post(client, url, body(prompt, max_tokens, chat, stream, **kw), chat)
 
 
-_USAGE = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", re.M)
+def metric_samples(url: str) -> dict[str, float]:
+    """A server's /metrics: each sample's name (a counter's with `_total`) to its value summed
+    over labels, and each `name{label="value",...}` (labels sorted) to its own value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            if sample.labels:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
 
 
 def kv_usage(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return float(_USAGE.search(text).group(1))
+    return metric_samples(url)["vllm:kv_cache_usage_perc"]
 
 
 def wait_usage_zero(*urls: str, timeout_s: float) -> float:
@@ -187,15 +200,12 @@ def wait_usage_zero(*urls: str, timeout_s: float) -> float:
         time.sleep(0.1)
 
 
-_KVPUSH = re.compile(r"^kvpush:(\w+)\{[^}]*\} (\S+)$", re.M)
-
-
 def kvpush_gauges(url: str) -> dict[str, float]:
     """kvpush's gauges as an engine's /metrics shows them (absent before the first transfer)."""
     from kvpush.vllm.stats import GAUGES
 
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {name: float(v) for name, v in _KVPUSH.findall(text) if name in GAUGES}
+    samples = metric_samples(url)
+    return {name: samples[f"kvpush:{name}"] for name in GAUGES if f"kvpush:{name}" in samples}
 
 
 def wait_idle(*urls: str, timeout_s: float, step_stale: bool = False) -> float:
@@ -216,11 +226,18 @@ def wait_idle(*urls: str, timeout_s: float, step_stale: bool = False) -> float:
             raise AssertionError(f"kvpush gauges not 0 within {timeout_s} s: {held}")
         if step_stale and time.monotonic() - stepped > 2.0:
             for url in (u for u, h in held.items() if h):
-                httpx.post(
-                    url + "/v1/completions", json=body([5], 1), timeout=30
-                ).raise_for_status()
+                post_sync(url, body([5], 1))
             stepped = time.monotonic()
         time.sleep(0.1)
+
+
+def post_sync(url: str, b: dict, path: str = "/v1/completions") -> dict:
+    """One blocking request, for a test's set-up; a status other than 200 raises."""
+    request = urllib.request.Request(
+        url + path, json.dumps(b).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
 
 
 async def abort_after(coro, seconds: float) -> None:
@@ -228,7 +245,7 @@ async def abort_after(coro, seconds: float) -> None:
     task = asyncio.ensure_future(coro)
     await asyncio.sleep(seconds)
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+    with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
         await task
 
 
@@ -249,7 +266,7 @@ NEAR_TIE = 1e-3  # top-2 log-probability gap below which greedy decoding may go 
 async def reference_and_disagg(pair: Pair, mono_url: str, prompts: list, max_tokens: int):
     """Each prompt through the plain engine one at a time, then all at once through the pair;
     with top-2 log-probabilities, for `assert_same_or_near_tie`."""
-    async with async_client() as c:
+    async with session() as c:
         wants = [await plain(c, mono_url, p, max_tokens, logprobs=2) for p in prompts]
         gots = await asyncio.gather(*(disagg(c, pair, p, max_tokens, logprobs=2) for p in prompts))
     return wants, gots

@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from kvpush.httpclient import async_client
-from tests.e2e.client import disagg, plain, text_of, wait_usage_zero
+from tests.e2e.client import disagg, plain, session, text_of, wait_usage_zero
 
 pytestmark = pytest.mark.e2e
 
@@ -28,7 +27,7 @@ def test_completions_equal_plain_engine(pair, mono_url, num_tokens, stream):
     prompt = token_prompt(num_tokens, seed=num_tokens)
 
     async def go():
-        async with async_client() as c:
+        async with session() as c:
             want = await plain(c, mono_url, prompt, 16, stream=stream)
             got = await disagg(c, pair, prompt, 16, stream=stream)
             return text_of(want), text_of(got)
@@ -43,7 +42,7 @@ def test_chat_completions_equal_plain_engine(pair, mono_url, stream):
     prompt = "Return a shallow copy of the list, keeping the order of the items. " * 8
 
     async def go():
-        async with async_client() as c:
+        async with session() as c:
             want = await plain(c, mono_url, prompt, 16, chat=True, stream=stream)
             got = await disagg(c, pair, prompt, 16, chat=True, stream=stream)
             return text_of(want), text_of(got)
@@ -58,7 +57,7 @@ def test_both_arrival_orders(pair, mono_url, delay):
     kw = {"delay_prefill_s": 1.0} if delay == "prefill-late" else {"delay_decode_s": 1.0}
 
     async def go():
-        async with async_client() as c:
+        async with session() as c:
             want = await plain(c, mono_url, prompt, 16)
             got = await disagg(c, pair, prompt, 16, **kw)
             return text_of(want), text_of(got)

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 
-import httpx
 import pytest
 
-from kvpush.httpclient import async_client
-from tests.e2e.client import disagg, plain, text_of, wait_idle
+from tests.e2e.client import disagg, metric_samples, plain, session, text_of, wait_idle
 from tests.e2e.conftest import as_pair, pair_specs, start
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +31,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def through(pair, mono_url, prompt) -> tuple[str, str, float]:
     async def go():
-        async with async_client() as c:
+        async with session() as c:
             want = await plain(c, mono_url, prompt, 12)
             got = await disagg(c, pair, prompt, 12)
             return text_of(want), text_of(got), time.monotonic()
@@ -49,9 +46,7 @@ def test_no_hit(rpair, mono_url):
 
 
 def prefix_hits(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    match = re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
-    return float(match.group(1))
+    return metric_samples(url)["vllm:prefix_cache_hits_total"]
 
 
 def test_hit_ending_mid_prefill_block(rpair, mono_url):

@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 
-from kvpush.httpclient import async_client
 from kvpush.launch.engine import EngineSpec
 from tests.e2e.client import (
     Pair,
@@ -26,6 +25,7 @@ from tests.e2e.client import (
     plain,
     post,
     reference_and_disagg,
+    session,
     wait_idle,
 )
 from tests.e2e.conftest import free_port, start
@@ -82,7 +82,7 @@ def test_failed_load_is_recomputed_locally_under_the_recompute_policy(tp2_pair, 
     prompt = tokens(200, 77)
 
     async def go():
-        async with async_client() as c:
+        async with session() as c:
             want = await plain(c, mono_url, prompt, 8, logprobs=2)
             tid = uuid.uuid4().hex
             b = body(prompt, 8, logprobs=2, kv_transfer_params=decode_params(dead, tid))

@@ -1,7 +1,6 @@
-"""A fake vLLM engine, only to inject faults a real engine cannot produce on demand:
-a hung upstream, a 500 in the middle of a stream, a slow first byte, a stream that never
-ends. The happy paths run
-against real engines (tests/e2e/test_proxy.py)."""
+"""A fake vLLM engine, only to inject faults a real engine cannot produce on demand: a hung
+upstream, a 400 or 500 on demand, a 500 in the middle of a stream, a slow first byte, a stream
+that never ends. The happy paths run against real engines (tests/e2e/test_proxy.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
     app.state.behavior = behavior
     app.state.requests = []
     app.state.stream_closed = False
+    app.state.disconnected = 0  # hung requests whose client closed the connection
 
     @app.get("/health")
     async def health():
@@ -35,9 +35,12 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
         app.state.headers = dict(request.headers)
         behavior = app.state.behavior
         if behavior == "hang":
-            await asyncio.sleep(3600)
-        if behavior == "500":
-            return JSONResponse({"error": {"message": "boom"}}, 500)
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            app.state.disconnected += 1
+            return JSONResponse({}, 499)
+        if behavior in ("500", "400"):
+            return JSONResponse({"error": {"message": "boom"}}, int(behavior))
         if behavior == "slow":
             await asyncio.sleep(1.0)
         if not body.get("stream"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import httpx
@@ -16,6 +17,13 @@ from kvpush.proxy.pool import EnginePool
 from kvpush.transfer import wire
 from tests.proxy.fake_engine import fake_engine
 from tests.servers import run_server
+
+
+def wait_for(condition, message: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -77,16 +85,48 @@ def test_push_legs_carry_the_params_and_prefill_makes_one_token():
         assert d_body["max_tokens"] == 9
 
 
-def test_failed_prefill_returns_its_status_and_cancels_decode():
-    with proxied(prefill_behavior="500", decode_behavior="hang", request_timeout_s=30) as (
-        url,
-        _,
-        _,
-    ):
+def test_a_prefill_400_is_returned_as_it_is_and_cancels_decode():
+    """The request itself was bad: it is not re-sent anywhere."""
+    with proxied(prefill_behavior="400", decode_behavior="hang") as (url, p_app, d_app):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
-        assert r.status_code == 500 and "prefill engine" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "prefill engine" in r.json()["error"]["message"]
+        assert len(p_app.state.requests) == 1 and len(d_app.state.requests) == 1
+        wait_for(lambda: d_app.state.disconnected == 1, "decode's leg was not closed")
         status = httpx.get(url + "/status").json()
         assert all(e["outstanding"] == 0 for e in status["engines"])
+
+
+def test_a_failed_only_prefill_engine_leaves_decode_to_compute_the_prompt():
+    # decode answers after 1 s, so prefill's 500 comes first, as it would in real push mode
+    with proxied(prefill_behavior="500", decode_behavior="slow") as (url, p_app, d_app):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+        first, second = d_app.state.requests
+        assert "kv_transfer_params" in first and "kv_transfer_params" not in second
+        assert second["prompt"] == "hi" and len(p_app.state.requests) == 1
+        text = httpx.get(url + "/metrics").text
+        assert 'kvpush_proxy_rerouted_total{to="decode"} 1.0' in text
+        status = httpx.get(url + "/status").json()
+        assert all(e["outstanding"] == 0 for e in status["engines"])
+
+
+def test_a_failed_prefill_engine_is_retried_once_on_another_with_a_new_transfer_id():
+    bad, good, d_app = fake_engine(behavior="500"), fake_engine(), fake_engine(behavior="slow")
+    with run_server(bad) as b_url, run_server(good) as g_url, run_server(d_app) as d_url:
+        engines = (EngineInfo(b_url, "prefill", "p0"), EngineInfo(g_url, "prefill", "p1"))
+        config = ProxyConfig(engines=engines + (EngineInfo(d_url, "decode"),))
+        with run_server(create_app(config)) as url:
+            body = {"prompt": "hi", "stream": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            text = httpx.get(url + "/metrics").text
+    ((b_body,), (g_body,)) = bad.state.requests, good.state.requests
+    first, second = (d["kv_transfer_params"] for d in d_app.state.requests)
+    assert first["transfer_id"] == b_body["kv_transfer_params"]["transfer_id"]
+    assert second["transfer_id"] == g_body["kv_transfer_params"]["transfer_id"]
+    assert first["transfer_id"] != second["transfer_id"]
+    assert (first["remote_engine_id"], second["remote_engine_id"]) == ("p0", "p1")
+    assert 'kvpush_proxy_rerouted_total{to="prefill"} 1.0' in text
 
 
 def test_decode_500_becomes_502_naming_the_transfer():
@@ -108,7 +148,8 @@ def test_only_a_request_that_ends_early_is_abandoned_at_prefill():
             assert not side.poll(500)
             d_app.state.behavior = "500"
             assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 502
-            tid = p_app.state.requests[-1]["kv_transfer_params"]["transfer_id"]
+            # decode's 500 can cancel the prefill leg before prefill saw it: read decode's
+            tid = d_app.state.requests[-1]["kv_transfer_params"]["transfer_id"]
             assert side.poll(5000), "no ABANDON reached prefill's side channel"
             env = wire.decode_envelope(side.recv_multipart()[-1])
     finally:
@@ -124,15 +165,14 @@ def test_hung_upstream_times_out_instead_of_hanging():
         assert r.status_code == 504 and "request_timeout_s=1.0" in r.json()["error"]["message"]
 
 
-def test_500_mid_stream_ends_the_stream_with_an_error():
-    with (
-        proxied(decode_behavior="500-mid-stream") as (url, _, _),
-        httpx.stream(
-            "POST", url + "/v1/completions", json={"prompt": "hi", "stream": True}, timeout=10
-        ) as r,
-        pytest.raises(httpx.RemoteProtocolError),
-    ):
-        r.read()
+def test_500_mid_stream_ends_the_stream_with_an_error_event():
+    with proxied(decode_behavior="500-mid-stream") as (url, _, _):
+        body = {"prompt": "hi", "stream": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[0])["choices"][0]["text"] == "0"
+    assert "mid-stream" in json.loads(events[-2])["error"]["message"]
 
 
 def test_slow_first_byte_is_waited_for():

@@ -1,0 +1,460 @@
+"""Push and pull dispatch: which engines get a request, in what order, and what happens when a
+leg fails. Plain asyncio over two calls (`Legs`), so tests drive it without HTTP.
+
+Push: pick decode and prefill, mint a transfer_id, send both legs at once, answer from decode.
+Pull: prefill first, then decode with the kv_transfer_params prefill returned.
+
+Nothing reaches the client until decode's first chunk (streamed) or its whole answer, so a
+prefill engine that fails before then costs the client nothing: the request is re-sent once to
+another healthy prefill engine with a new transfer_id (closing the old decode leg makes vLLM
+abort it, and kvpush's decode connector cancels its registration), or, with none left, to the
+decode engine as a plain request that computes the prompt itself. A 4xx from prefill is the
+request's own fault and is returned as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+
+from kvpush.proxy.config import EngineState, ProxyConfig
+from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.metrics import ProxyMetrics
+from kvpush.proxy.pool import EnginePool
+from kvpush.transfer.receiver import PrefillAddress
+
+log = logging.getLogger(__name__)
+MAX_PREFILL_TRIES = 2  # the first engine and one other; then decode computes the prompt
+
+
+class Content(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class DecodeResponse(Protocol):
+    """What the dispatcher needs of decode's answer (an aiohttp.ClientResponse)."""
+
+    status: int
+    content: Content
+
+    async def read(self) -> bytes: ...
+    def close(self) -> None: ...  # drops the connection: vLLM aborts the request
+    def release(self) -> Any: ...  # after a complete answer: the connection is reused
+
+
+class Legs(Protocol):
+    async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> dict:
+        """Prefill's JSON answer; raises PrefillLost or ProxyError."""
+
+    async def decode(
+        self, engine: EngineState, chat: bool, body: dict, headers: dict
+    ) -> DecodeResponse:
+        """Decode's response, once its headers are in."""
+
+
+class PrefillLost(Exception):
+    """The prefill engine failed (connection lost or refused, or a 5xx) before the client got a
+    byte: the request can be sent elsewhere."""
+
+
+class Abandon(Protocol):
+    def abandon(self, address: PrefillAddress, transfer_id: str, reason: str) -> None: ...
+
+
+@dataclass
+class Trace:
+    """One client request's ids and timings (seconds from arrival), logged at debug level."""
+
+    client_id: str | None
+    request_id: str = field(default_factory=lambda: f"kvpush-{uuid.uuid4().hex}")
+    transfer_id: str = ""
+    start: float = field(default_factory=time.monotonic)
+    prefill_s: float | None = None  # prefill leg, send to answer
+    first_byte_s: float | None = None  # decode's response headers
+    ttft_s: float | None = None  # first chunk of the answer relayed
+    tpot_s: float | None = None  # per streamed chunk after the first
+    reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
+
+    @property
+    def dispatch_id(self) -> str:
+        """The id both legs carry (X-Request-Id): fresh for each re-send, so an engine never
+        sees a re-sent request under the id of the one it just aborted."""
+        n = len(self.reroutes)
+        return f"{self.request_id}-{n}" if n else self.request_id
+
+    def log(self) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+        log.debug(
+            "request %s (client id %s, transfer_id %s): prefill leg %s, decode first byte %s, "
+            "TTFT %s, TPOT %s, re-sent %s",
+            self.request_id,
+            self.client_id or "-",
+            self.transfer_id or "-",
+            ms(self.prefill_s),
+            ms(self.first_byte_s),
+            ms(self.ttft_s),
+            ms(self.tpot_s),
+            ",".join(self.reroutes) or "-",
+        )
+
+
+@dataclass
+class Answer:
+    """Decode's answer: whole (`body`), or a stream whose first chunk is in hand. For a stream,
+    `Dispatcher.relay` copies the rest and then runs `finish` exactly once."""
+
+    trace: Trace
+    body: bytes | None
+    first: bytes = b""
+    stream: DecodeResponse | None = None
+    finish: Callable[[bool], None] = lambda finished: None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: EnginePool,
+        legs: Legs,
+        metrics: ProxyMetrics,
+        abandoner: Abandon | None = None,
+    ) -> None:
+        self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
+        self.abandoner = abandoner
+
+    async def dispatch(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
+        """The answer, or a ProxyError naming what failed (upstream errors mapped to 502/504)."""
+        try:
+            if self.config.mode == "push":
+                return await self._push(body, chat, headers, trace)
+            return await self._pull(body, chat, headers, trace)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
+            raise ProxyError(
+                504,
+                f"an engine did not answer in time ({type(e).__name__}); "
+                f"request_timeout_s={self.config.request_timeout_s}",
+            ) from e
+        except (aiohttp.ClientError, PrefillLost) as e:
+            raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
+
+    async def _push(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
+        tokens = estimate_prompt_tokens(body, chat)
+        decode = self.pool.pick("decode", tokens)
+        tried: list[EngineState] = []
+        while len(tried) < MAX_PREFILL_TRIES:
+            prefill = self.pool.pick_healthy("prefill", tokens, exclude=tried)
+            if prefill is None:
+                break
+            try:
+                return await self._push_once(prefill, decode, body, chat, headers, trace, tokens)
+            except PrefillLost as e:
+                tried.append(prefill)
+                self._rerouted(trace, prefill, e)
+        return await self._local(decode, body, chat, headers, trace, tokens)
+
+    async def _push_once(
+        self,
+        prefill: EngineState,
+        decode: EngineState,
+        body: dict,
+        chat: bool,
+        headers: dict,
+        trace: Trace,
+        tokens: int,
+    ) -> Answer:
+        transfer_id = trace.transfer_id = uuid.uuid4().hex
+        info = prefill.info
+        p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
+        d_params = {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_engine_id": info.engine_id,
+            "remote_host": info.kv_host,
+            "remote_port": info.side_channel_port,
+            "tp_size": info.tp_size,
+            "pp_size": info.pp_size,
+            # vLLM's NixlPushConnector pairs on the id prefill's engine gives the request
+            "remote_request_id": f"chatcmpl-{trace.dispatch_id}"
+            if chat
+            else f"cmpl-{trace.dispatch_id}-0",
+        }
+        headers = headers | {"X-Request-Id": trace.dispatch_id}
+        pool = self.pool
+        pool.acquire(prefill, tokens)
+        pool.acquire(decode, tokens, waiting=True)
+        p_task = asyncio.ensure_future(self._prefill(prefill, p_body, chat, headers, trace))
+
+        def prefill_ended(task: asyncio.Future) -> None:
+            pool.release(prefill, tokens)
+            pool.prefill_done(decode)
+            if not task.cancelled() and task.exception() is not None:
+                log.debug("prefill leg %s ended with %r", transfer_id, task.exception())
+
+        p_task.add_done_callback(prefill_ended)
+
+        def abandon() -> None:
+            p_task.cancel()
+            if self.abandoner is not None:
+                self.metrics.abandoned.inc()
+                address = PrefillAddress(info.kv_host, info.side_channel_port, info.tp_size)
+                self.abandoner.abandon(address, transfer_id, "request ended")
+
+        return await self._from_decode(
+            decode, body | {"kv_transfer_params": d_params}, chat, headers, trace, tokens,
+            p_task, abandon,
+        )  # fmt: skip
+
+    async def _pull(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
+        tokens = estimate_prompt_tokens(body, chat)
+        tried: list[EngineState] = []
+        while len(tried) < MAX_PREFILL_TRIES:
+            prefill = self.pool.pick_healthy("prefill", tokens, exclude=tried)
+            if prefill is None:
+                break
+            p_body = prefill_body(body, chat, {"do_remote_decode": True})
+            headers = headers | {"X-Request-Id": trace.dispatch_id}
+            self.pool.acquire(prefill, tokens)
+            try:
+                p_json = await self._prefill(prefill, p_body, chat, headers, trace)
+            except PrefillLost as e:
+                tried.append(prefill)
+                self._rerouted(trace, prefill, e)
+                continue
+            finally:
+                self.pool.release(prefill, tokens)
+            params = p_json.get("kv_transfer_params")
+            if not params:
+                raise ProxyError(
+                    502,
+                    f"prefill engine {prefill.info.url} returned no "
+                    "kv_transfer_params: is it running NixlConnector?",
+                )
+            decode = self.pool.pick("decode", tokens)
+            self.pool.acquire(decode, tokens)
+            d_body = body | {"kv_transfer_params": params}
+            return await self._from_decode(decode, d_body, chat, headers, trace, tokens)
+        decode = self.pool.pick("decode", tokens)
+        return await self._local(decode, body, chat, headers, trace, tokens)
+
+    async def _local(
+        self, decode: EngineState, body: dict, chat: bool, headers: dict, trace: Trace, tokens: int
+    ) -> Answer:
+        """No prefill engine is left: decode computes the prompt itself."""
+        trace.reroutes.append("decode")
+        trace.transfer_id = ""
+        self.metrics.rerouted.labels("decode").inc()
+        headers = headers | {"X-Request-Id": trace.dispatch_id}
+        self.pool.acquire(decode, tokens)
+        return await self._from_decode(decode, body, chat, headers, trace, tokens)
+
+    def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
+        log.warning(
+            "request %s: prefill engine %s failed before the client got a byte (%s); re-sending",
+            trace.request_id,
+            prefill.info.url,
+            error,
+        )
+        trace.reroutes.append("prefill")
+        self.metrics.rerouted.labels("prefill").inc()
+
+    async def _prefill(
+        self, prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
+    ) -> dict:
+        t0 = time.monotonic()
+        try:
+            answer = await self.legs.prefill(prefill, chat, p_body, headers)
+        except aiohttp.ClientConnectionError as e:
+            if not isinstance(e, aiohttp.ServerTimeoutError):
+                self.pool.mark_failed(prefill, e)
+                raise PrefillLost(f"{type(e).__name__}: {e}") from e
+            raise
+        trace.prefill_s = time.monotonic() - t0
+        self.metrics.prefill_seconds.observe(trace.prefill_s)
+        return answer
+
+    async def _from_decode(
+        self,
+        decode: EngineState,
+        d_body: dict,
+        chat: bool,
+        headers: dict,
+        trace: Trace,
+        tokens: int,
+        p_task: asyncio.Future | None = None,
+        abandon: Callable[[], None] = lambda: None,
+    ) -> Answer:
+        """Decode's headers, then its first chunk or whole answer; a prefill failure before
+        that wins, closes decode's leg and is raised.
+
+        No task of its own: the leg runs in the caller's task, and a prefill failure cancels
+        that task from a callback (as asyncio.timeout does), told apart from a cancellation by
+        the client with `uncancel`."""
+        me = asyncio.current_task()
+        assert me is not None
+        hold: list[DecodeResponse] = []
+        interrupted: list[BaseException] = []
+        racing = True
+
+        def prefill_done(task: asyncio.Future) -> None:
+            failure = prefill_failure(task)
+            if racing and failure is not None and not interrupted:
+                interrupted.append(failure)
+                me.cancel()
+
+        try:
+            if p_task is not None:
+                if (failure := prefill_failure(p_task)) is not None:
+                    raise failure
+                p_task.add_done_callback(prefill_done)
+            try:
+                data = await self._decode_leg(decode, chat, d_body, headers, trace, hold)
+            except asyncio.CancelledError:
+                if interrupted and me.uncancel() == 0:
+                    raise interrupted[0] from None
+                raise
+            finally:
+                racing = False
+                if p_task is not None:
+                    p_task.remove_done_callback(prefill_done)
+        except BaseException as e:
+            for d_resp in hold:
+                d_resp.close()
+            abandon()
+            self.pool.release(decode, tokens)
+            if isinstance(e, aiohttp.ClientConnectorError):
+                self.pool.mark_failed(decode, e)
+            raise
+        d_resp = hold[0]
+
+        def finish(finished: bool) -> None:
+            if finished:
+                d_resp.release()
+            else:
+                d_resp.close()
+                abandon()
+            self.pool.release(decode, tokens)
+            self.metrics.observe_latency(trace)
+
+        trace.ttft_s = time.monotonic() - trace.start
+        if not d_body.get("stream"):
+            finish(True)
+            return Answer(trace, data)
+        return Answer(trace, None, data, d_resp, finish)
+
+    async def _decode_leg(
+        self,
+        decode: EngineState,
+        chat: bool,
+        d_body: dict,
+        headers: dict,
+        trace: Trace,
+        hold: list[DecodeResponse],
+    ) -> bytes:
+        """Decode's first chunk (streamed) or whole answer; its response goes into `hold`."""
+        d_resp = await self.legs.decode(decode, chat, d_body, headers)
+        hold.append(d_resp)
+        trace.first_byte_s = time.monotonic() - trace.start
+        if d_resp.status != 200:
+            raise decode_error(decode, d_resp.status, await d_resp.read(), trace.transfer_id)
+        if not d_body.get("stream"):
+            return await d_resp.read()
+        try:
+            return await d_resp.content.iter_any().__aiter__().__anext__()
+        except StopAsyncIteration:
+            raise ProxyError(502, f"decode engine {decode.info.url}: empty stream") from None
+
+    async def relay(
+        self,
+        answer: Answer,
+        start: Callable[[], Awaitable[Any]],
+        write: Callable[[bytes], Awaitable[Any]],
+    ) -> None:
+        """Copy a streamed answer to the client; `finish` runs once, however it ends. A decode
+        failure mid-stream ends the stream with an error event."""
+        assert answer.stream is not None
+        finished, num_chunks = False, 1
+        try:
+            await start()
+            await write(answer.first)
+            first_s = time.monotonic()
+            chunks = answer.stream.content.iter_any().__aiter__()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    finished = True
+                    break
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    log.warning("decode's stream failed mid-answer: %r", e)
+                    await write(sse_error(502, f"decode engine failed mid-stream: {e!r}"))
+                    break
+                num_chunks += 1
+                await write(chunk)
+            if finished and num_chunks > 1:
+                answer.trace.tpot_s = (time.monotonic() - first_s) / (num_chunks - 1)
+        finally:
+            answer.finish(finished)
+
+
+def prefill_failure(p_task: asyncio.Future) -> BaseException | None:
+    if not p_task.done() or p_task.cancelled():
+        return None
+    return p_task.exception()
+
+
+def route(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def prefill_body(body: dict, chat: bool, params: dict) -> dict:
+    out = dict(body) | {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    if chat or "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def estimate_prompt_tokens(body: dict, chat: bool) -> int:
+    """Token ids count exactly; text is estimated at 4 characters a token."""
+    if chat:
+        text = "".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        return max(1, len(text) // 4)
+    prompt = body["prompt"]
+    return len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
+
+
+def error_text(status: int, data: bytes) -> str:
+    try:
+        return msgspec.json.decode(data)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return data[:500].decode(errors="replace") or f"HTTP {status}"
+
+
+def decode_error(decode: EngineState, status: int, data: bytes, transfer_id: str) -> ProxyError:
+    if status == 500 and transfer_id:
+        return ProxyError(
+            502,
+            f"KV transfer failed for transfer_id {transfer_id}: decode "
+            f"engine {decode.info.url} could not load the KV cache "
+            f"({error_text(status, data) or 'HTTP 500'})",
+        )
+    return ProxyError(status, f"decode engine {decode.info.url}: {error_text(status, data)}")
+
+
+def sse_error(status: int, message: str) -> bytes:
+    event = {"error": {"message": message, "type": "UpstreamError", "code": status}}
+    return b"data: " + msgspec.json.encode(event) + b"\n\ndata: [DONE]\n\n"

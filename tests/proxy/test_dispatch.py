@@ -1,0 +1,237 @@
+"""The dispatcher without HTTP: in-memory legs that the test controls step by step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvpush.proxy.config import EngineInfo, ProxyConfig
+from kvpush.proxy.dispatch import Dispatcher, PrefillLost, Trace
+from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.metrics import ProxyMetrics
+from kvpush.proxy.pool import EnginePool
+
+
+class FakeContent:
+    def __init__(self, chunks: asyncio.Queue) -> None:
+        self.chunks = chunks
+
+    async def iter_any(self):
+        while (chunk := await self.chunks.get()) is not None:
+            yield chunk
+
+
+class FakeDecodeResponse:
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.chunks: asyncio.Queue = asyncio.Queue()  # the test puts chunks, then None
+        self.content = FakeContent(self.chunks)
+        self.closed = self.released = False
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.content.iter_any()])
+
+    def answer(self, *chunks: bytes) -> None:
+        for chunk in (*chunks, None):
+            self.chunks.put_nowait(chunk)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release(self) -> None:
+        self.released = True
+
+
+class FakeLegs:
+    """Each leg waits on a future the test resolves: `prefills[i]`, `decodes[i]`."""
+
+    def __init__(self) -> None:
+        self.prefill_calls: list[tuple[str, dict]] = []
+        self.decode_calls: list[tuple[str, dict]] = []
+        self.prefills: list[asyncio.Future] = []
+        self.decodes: list[FakeDecodeResponse] = []
+        self.arrived = asyncio.Event()
+
+    async def prefill(self, engine, chat, body, headers):
+        self.prefill_calls.append((engine.info.engine_id, body))
+        future = asyncio.get_running_loop().create_future()
+        self.prefills.append(future)
+        self.arrived.set()
+        return await future
+
+    async def decode(self, engine, chat, body, headers):
+        self.decode_calls.append((engine.info.engine_id, body))
+        response = FakeDecodeResponse()
+        self.decodes.append(response)
+        self.arrived.set()
+        return response
+
+
+class FakeAbandoner:
+    def __init__(self) -> None:
+        self.abandoned: list[str] = []
+
+    def abandon(self, address, transfer_id, reason) -> None:
+        self.abandoned.append(transfer_id)
+
+
+def make(num_prefill: int = 2, connector: str = "kvpush"):
+    engines = tuple(EngineInfo(f"http://p{i}", "prefill", f"p{i}") for i in range(num_prefill))
+    engines += (EngineInfo("http://d0", "decode", "d0"),)
+    config = ProxyConfig(engines=engines, connector=connector)
+    pool, legs, abandoner = EnginePool(config), FakeLegs(), FakeAbandoner()
+    return Dispatcher(config, pool, legs, ProxyMetrics(), abandoner), pool, legs, abandoner
+
+
+async def until(condition) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+def idle(pool: EnginePool) -> bool:
+    return all(s.outstanding == 0 and s.waiting_on_prefill == 0 for s in pool.states)
+
+
+STREAM = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
+
+
+def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefill_calls and legs.decode_calls)
+        (_, p_body), (_, d_body) = legs.prefill_calls[0], legs.decode_calls[0]
+        tid = p_body["kv_transfer_params"]["transfer_id"]
+        assert d_body["kv_transfer_params"]["transfer_id"] == tid
+        assert p_body["max_tokens"] == 1 and not p_body["stream"]
+        decode = legs.decodes[0]
+        decode.chunks.put_nowait(b"data: 1\n\n")
+        answer = await task
+        assert answer.first == b"data: 1\n\n" and not legs.prefills[0].done()
+        legs.prefills[0].set_result({})
+        decode.answer(b"data: 2\n\n", b"data: [DONE]\n\n")
+        out: list[bytes] = []
+
+        async def write(b: bytes) -> None:
+            out.append(b)
+
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        assert out == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
+        assert decode.released and not decode.closed and abandoner.abandoned == []
+        await until(lambda: idle(pool))
+        assert answer.trace.ttft_s is not None and answer.trace.tpot_s is not None
+
+    asyncio.run(go())
+
+
+def test_prefill_lost_before_the_first_byte_is_re_sent_to_the_other_prefill():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: len(legs.decodes) == 1 and len(legs.prefills) == 1)
+        legs.prefills[0].set_exception(PrefillLost("connection reset"))
+        await until(lambda: len(legs.decodes) == 2 and len(legs.prefills) == 2)
+        first, second = legs.decode_calls
+        old, new = (b["kv_transfer_params"]["transfer_id"] for _, b in (first, second))
+        assert old != new and legs.decodes[0].closed  # vLLM aborts it; decode cancels
+        assert abandoner.abandoned == [old]
+        assert [c[0] for c in legs.prefill_calls] == ["p0", "p1"]
+        assert second[1]["kv_transfer_params"]["remote_engine_id"] == "p1"
+        legs.prefills[1].set_result({})
+        legs.decodes[1].chunks.put_nowait(b"data: x\n\n")
+        answer = await task
+        assert answer.trace.reroutes == ["prefill"]
+        answer.finish(True)
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_with_no_prefill_left_decode_computes_the_prompt_itself():
+    async def go():
+        dispatcher, pool, legs, abandoner = make(num_prefill=1)
+        body = STREAM | {"stream": False}
+        task = asyncio.ensure_future(dispatcher.dispatch(body, False, {}, Trace(None)))
+        await until(lambda: len(legs.prefills) == 1)
+        legs.prefills[0].set_exception(PrefillLost("refused"))
+        await until(lambda: len(legs.decodes) == 2)
+        legs.decodes[1].answer(b'{"choices": []}')
+        answer = await task
+        assert answer.body == b'{"choices": []}'
+        (_, pushed), (_, plain) = legs.decode_calls
+        assert "kv_transfer_params" in pushed and "kv_transfer_params" not in plain
+        assert plain == body and answer.trace.reroutes == ["prefill", "decode"]
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_a_4xx_from_prefill_is_not_re_sent():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: len(legs.prefills) == 1 and legs.decodes)
+        legs.prefills[0].set_exception(ProxyError(400, "prompt too long"))
+        with pytest.raises(ProxyError) as err:
+            await task
+        assert err.value.status == 400 and len(legs.prefill_calls) == 1
+        assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_a_client_that_leaves_closes_both_legs_and_abandons():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert legs.decodes[0].closed and legs.prefills[0].cancelled()
+        assert len(abandoner.abandoned) == 1
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_a_client_that_leaves_mid_stream_closes_decode_and_abandons():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        legs.decodes[0].chunks.put_nowait(b"data: 1\n\n")
+        answer = await task
+
+        async def write(b: bytes) -> None:
+            raise ConnectionResetError("client gone")
+
+        with pytest.raises(ConnectionResetError):
+            await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_pull_waits_for_prefill_and_passes_its_params_to_decode():
+    async def go():
+        dispatcher, pool, legs, abandoner = make(connector="nixl-pull")
+        body = STREAM | {"stream": False}
+        task = asyncio.ensure_future(dispatcher.dispatch(body, False, {}, Trace(None)))
+        await until(lambda: legs.prefills)
+        assert legs.decode_calls == []
+        legs.prefills[0].set_result({"kv_transfer_params": {"remote_block_ids": [1]}})
+        await until(lambda: legs.decodes)
+        legs.decodes[0].answer(b"{}")
+        assert (await task).body == b"{}"
+        assert legs.decode_calls[0][1]["kv_transfer_params"] == {"remote_block_ids": [1]}
+        assert abandoner.abandoned == []
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
