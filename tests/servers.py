@@ -9,12 +9,29 @@ import contextlib
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import uvicorn
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    """A server's /metrics: each sample's name (a counter's with `_total`) to its value summed
+    over labels, and each `name{label="value",...}` (labels sorted) to its own value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+            if sample.labels:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
 
 
 def free_port() -> int:

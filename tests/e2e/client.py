@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush import httpclient
+from tests.servers import metric_samples  # noqa: F401 - re-exported for the e2e tests
 
 
 def session(max_connections: int = 100) -> aiohttp.ClientSession:
@@ -167,21 +167,6 @@ def tcp_counters() -> dict[str, int]:
 
 async def plain(client, url, prompt, max_tokens: int = 16, chat=False, stream=False, **kw):
     return await post(client, url, body(prompt, max_tokens, chat, stream, **kw), chat)
-
-
-def metric_samples(url: str) -> dict[str, float]:
-    """A server's /metrics: each sample's name (a counter's with `_total`) to its value summed
-    over labels, and each `name{label="value",...}` (labels sorted) to its own value."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-            if sample.labels:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                out[f"{sample.name}{{{labels}}}"] = sample.value
-    return out
 
 
 def kv_usage(url: str) -> float:

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 import httpx
 import pytest
 import zmq
 
+from kvpush import httpclient
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.pool import EnginePool
 from kvpush.transfer import wire
 from tests.proxy.fake_engine import fake_engine
-from tests.servers import run_server
+from tests.servers import metric_samples, run_server
 
 
 def wait_for(condition, message: str, timeout_s: float = 5.0) -> None:
@@ -104,8 +104,7 @@ def test_a_failed_only_prefill_engine_leaves_decode_to_compute_the_prompt():
         first, second = d_app.state.requests
         assert "kv_transfer_params" in first and "kv_transfer_params" not in second
         assert second["prompt"] == "hi" and len(p_app.state.requests) == 1
-        text = httpx.get(url + "/metrics").text
-        assert 'kvpush_proxy_rerouted_total{to="decode"} 1.0' in text
+        assert metric_samples(url)['kvpush_proxy_rerouted_total{to="decode"}'] == 1
         status = httpx.get(url + "/status").json()
         assert all(e["outstanding"] == 0 for e in status["engines"])
 
@@ -119,14 +118,14 @@ def test_a_failed_prefill_engine_is_retried_once_on_another_with_a_new_transfer_
             body = {"prompt": "hi", "stream": True}
             r = httpx.post(url + "/v1/completions", json=body, timeout=10)
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
-            text = httpx.get(url + "/metrics").text
+            metrics = metric_samples(url)
     ((b_body,), (g_body,)) = bad.state.requests, good.state.requests
     first, second = (d["kv_transfer_params"] for d in d_app.state.requests)
     assert first["transfer_id"] == b_body["kv_transfer_params"]["transfer_id"]
     assert second["transfer_id"] == g_body["kv_transfer_params"]["transfer_id"]
     assert first["transfer_id"] != second["transfer_id"]
     assert (first["remote_engine_id"], second["remote_engine_id"]) == ("p0", "p1")
-    assert 'kvpush_proxy_rerouted_total{to="prefill"} 1.0' in text
+    assert metrics['kvpush_proxy_rerouted_total{to="prefill"}'] == 1
 
 
 def test_decode_500_becomes_502_naming_the_transfer():
@@ -166,13 +165,17 @@ def test_hung_upstream_times_out_instead_of_hanging():
 
 
 def test_500_mid_stream_ends_the_stream_with_an_error_event():
+    async def read(url: str) -> tuple[int, list[dict]]:
+        async with (
+            httpclient.session() as c,
+            c.post(url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r,
+        ):
+            return r.status, [event async for event in httpclient.sse_events(r)]
+
     with proxied(decode_behavior="500-mid-stream") as (url, _, _):
-        body = {"prompt": "hi", "stream": True}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=10)
-    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
-    assert r.status_code == 200 and events[-1] == "[DONE]"
-    assert json.loads(events[0])["choices"][0]["text"] == "0"
-    assert "mid-stream" in json.loads(events[-2])["error"]["message"]
+        status, events = asyncio.run(read(url))
+    assert status == 200 and events[0]["choices"][0]["text"] == "0"
+    assert "mid-stream" in events[-1]["error"]["message"]  # then [DONE], which ends sse_events
 
 
 def test_slow_first_byte_is_waited_for():
@@ -220,9 +223,9 @@ def test_pull_mode_sends_decode_what_prefill_returned():
 def test_metrics_and_models_and_health():
     with proxied() as (url, _, _):
         httpx.post(url + "/v1/completions", json={"prompt": "hi"})
-        text = httpx.get(url + "/metrics").text
-        assert 'kvpush_proxy_requests_total{mode="push",status="200"} 1.0' in text
-        assert "kvpush_proxy_decode_waiting_on_prefill" in text
+        metrics = metric_samples(url)
+        assert metrics['kvpush_proxy_requests_total{mode="push",status="200"}'] == 1
+        assert "kvpush_proxy_decode_waiting_on_prefill" in metrics
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
         assert httpx.get(url + "/health").status_code == 200
 
