@@ -43,13 +43,13 @@ class HttpLegs:
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
 
-    async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> dict:
+    async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> bytes:
         client = self.pool.client(engine)
         data = msgspec.json.encode(body)
         async with client.post(route(chat), data=data, headers=headers | _JSON) as r:
             answer = await r.read()
             if r.status == 200:
-                return msgspec.json.decode(answer)
+                return answer
         message = f"prefill engine {engine.info.url}: {error_text(r.status, answer)}"
         if r.status >= 500:
             raise PrefillLost(f"HTTP {r.status}: {message}")

@@ -51,8 +51,8 @@ class DecodeResponse(Protocol):
 
 
 class Legs(Protocol):
-    async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> dict:
-        """Prefill's JSON answer; raises PrefillLost or ProxyError."""
+    async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> bytes:
+        """Prefill's answer (JSON), read only in pull mode; raises PrefillLost or ProxyError."""
 
     async def decode(
         self, engine: EngineState, chat: bool, body: dict, headers: dict
@@ -228,7 +228,9 @@ class Dispatcher:
             headers = headers | {"X-Request-Id": trace.dispatch_id}
             self.pool.acquire(prefill, tokens)
             try:
-                p_json = await self._prefill(prefill, p_body, chat, headers, trace)
+                p_json = msgspec.json.decode(
+                    await self._prefill(prefill, p_body, chat, headers, trace)
+                )
             except PrefillLost as e:
                 tried.append(prefill)
                 self._rerouted(trace, prefill, e)
@@ -272,7 +274,7 @@ class Dispatcher:
 
     async def _prefill(
         self, prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
-    ) -> dict:
+    ) -> bytes:
         t0 = time.monotonic()
         try:
             answer = await self.legs.prefill(prefill, chat, p_body, headers)

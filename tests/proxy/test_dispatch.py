@@ -112,7 +112,7 @@ def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
         decode.chunks.put_nowait(b"data: 1\n\n")
         answer = await task
         assert answer.first == b"data: 1\n\n" and not legs.prefills[0].done()
-        legs.prefills[0].set_result({})
+        legs.prefills[0].set_result(b"{}")
         decode.answer(b"data: 2\n\n", b"data: [DONE]\n\n")
         out: list[bytes] = []
 
@@ -141,7 +141,7 @@ def test_prefill_lost_before_the_first_byte_is_re_sent_to_the_other_prefill():
         assert abandoner.abandoned == [old]
         assert [c[0] for c in legs.prefill_calls] == ["p0", "p1"]
         assert second[1]["kv_transfer_params"]["remote_engine_id"] == "p1"
-        legs.prefills[1].set_result({})
+        legs.prefills[1].set_result(b"{}")
         legs.decodes[1].chunks.put_nowait(b"data: x\n\n")
         answer = await task
         assert answer.trace.reroutes == ["prefill"]
@@ -226,7 +226,7 @@ def test_pull_waits_for_prefill_and_passes_its_params_to_decode():
         task = asyncio.ensure_future(dispatcher.dispatch(body, False, {}, Trace(None)))
         await until(lambda: legs.prefills)
         assert legs.decode_calls == []
-        legs.prefills[0].set_result({"kv_transfer_params": {"remote_block_ids": [1]}})
+        legs.prefills[0].set_result(b'{"kv_transfer_params": {"remote_block_ids": [1]}}')
         await until(lambda: legs.decodes)
         legs.decodes[0].answer(b"{}")
         assert (await task).body == b"{}"
