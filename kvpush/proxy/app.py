@@ -22,13 +22,13 @@ from kvpush.proxy.dispatch import (
     DecodeResponse,
     Dispatcher,
     PrefillLost,
-    Trace,
     error_text,
     route,
 )
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.timeline import Trace
 from kvpush.transfer.router import Abandoner
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
@@ -29,6 +28,7 @@ from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.timeline import Trace
 from kvpush.transfer.receiver import PrefillAddress
 
 log = logging.getLogger(__name__)
@@ -70,48 +70,6 @@ class Abandon(Protocol):
 
 
 @dataclass
-class Trace:
-    """One client request's ids and timings (seconds from arrival), logged at debug level."""
-
-    client_id: str | None
-    request_id: str = field(default_factory=lambda: f"kvpush-{uuid.uuid4().hex}")
-    transfer_id: str = ""
-    start: float = field(default_factory=time.monotonic)
-    prefill_s: float | None = None  # prefill leg, send to answer
-    first_byte_s: float | None = None  # decode's response headers
-    ttft_s: float | None = None  # first chunk of the answer relayed
-    tpot_s: float | None = None  # per streamed chunk after the first
-    reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
-
-    @property
-    def dispatch_id(self) -> str:
-        """The id both legs carry (X-Request-Id): fresh for each re-send, so an engine never
-        sees a re-sent request under the id of the one it just aborted."""
-        n = len(self.reroutes)
-        return f"{self.request_id}-{n}" if n else self.request_id
-
-    def log(self) -> None:
-        if not log.isEnabledFor(logging.DEBUG):
-            return
-
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v * 1e3:.1f} ms"
-
-        log.debug(
-            "request %s (client id %s, transfer_id %s): prefill leg %s, decode first byte %s, "
-            "TTFT %s, TPOT %s, re-sent %s",
-            self.request_id,
-            self.client_id or "-",
-            self.transfer_id or "-",
-            ms(self.prefill_s),
-            ms(self.first_byte_s),
-            ms(self.ttft_s),
-            ms(self.tpot_s),
-            ",".join(self.reroutes) or "-",
-        )
-
-
-@dataclass
 class Answer:
     """Decode's answer: whole (`body`), or a stream whose first chunk is in hand. For a stream,
     `Dispatcher.relay` copies the rest and then runs `finish` exactly once."""
@@ -138,9 +96,14 @@ class Dispatcher:
     async def dispatch(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
         """The answer, or a ProxyError naming what failed (upstream errors mapped to 502/504)."""
         try:
-            if self.config.mode == "push":
-                return await self._push(body, chat, headers, trace)
-            return await self._pull(body, chat, headers, trace)
+            try:
+                if self.config.mode == "push":
+                    return await self._push(body, chat, headers, trace)
+                return await self._pull(body, chat, headers, trace)
+            except BaseException as e:
+                trace.status = f"failed: {type(e).__name__}"
+                self.metrics.observe_latency(trace)
+                raise
         except (TimeoutError, aiohttp.ServerTimeoutError) as e:
             raise ProxyError(
                 504,
@@ -195,6 +158,7 @@ class Dispatcher:
         pool = self.pool
         pool.acquire(prefill, tokens)
         pool.acquire(decode, tokens, waiting=True)
+        trace.mark("legs_sent")
         p_task = asyncio.ensure_future(self._prefill(prefill, p_body, chat, headers, trace))
 
         def prefill_ended(task: asyncio.Future) -> None:
@@ -227,6 +191,7 @@ class Dispatcher:
             p_body = prefill_body(body, chat, {"do_remote_decode": True})
             headers = headers | {"X-Request-Id": trace.dispatch_id}
             self.pool.acquire(prefill, tokens)
+            trace.mark("legs_sent")
             try:
                 p_json = msgspec.json.decode(
                     await self._prefill(prefill, p_body, chat, headers, trace)
@@ -260,6 +225,7 @@ class Dispatcher:
         self.metrics.rerouted.labels("decode").inc()
         headers = headers | {"X-Request-Id": trace.dispatch_id}
         self.pool.acquire(decode, tokens)
+        trace.mark("legs_sent")
         return await self._from_decode(decode, body, chat, headers, trace, tokens)
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
@@ -275,7 +241,6 @@ class Dispatcher:
     async def _prefill(
         self, prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
     ) -> bytes:
-        t0 = time.monotonic()
         try:
             answer = await self.legs.prefill(prefill, chat, p_body, headers)
         except aiohttp.ClientConnectionError as e:
@@ -283,8 +248,7 @@ class Dispatcher:
                 self.pool.mark_failed(prefill, e)
                 raise PrefillLost(f"{type(e).__name__}: {e}") from e
             raise
-        trace.prefill_s = time.monotonic() - t0
-        self.metrics.prefill_seconds.observe(trace.prefill_s)
+        trace.mark("prefill_answer")
         return answer
 
     async def _from_decode(
@@ -348,10 +312,12 @@ class Dispatcher:
                 d_resp.close()
                 abandon()
             self.pool.release(decode, tokens)
+            trace.status = "ok" if finished else "ended early"
             self.metrics.observe_latency(trace)
 
-        trace.ttft_s = time.monotonic() - trace.start
+        trace.mark("first_chunk")
         if not d_body.get("stream"):
+            trace.at["last_chunk"] = trace.at["first_chunk"]
             finish(True)
             return Answer(trace, data)
         return Answer(trace, None, data, d_resp, finish)
@@ -368,7 +334,7 @@ class Dispatcher:
         """Decode's first chunk (streamed) or whole answer; its response goes into `hold`."""
         d_resp = await self.legs.decode(decode, chat, d_body, headers)
         hold.append(d_resp)
-        trace.first_byte_s = time.monotonic() - trace.start
+        trace.mark("decode_headers")
         if d_resp.status != 200:
             raise decode_error(decode, d_resp.status, await d_resp.read(), trace.transfer_id)
         if not d_body.get("stream"):
@@ -391,7 +357,6 @@ class Dispatcher:
         try:
             await start()
             await write(answer.first)
-            first_s = time.monotonic()
             chunks = answer.stream.content.iter_any().__aiter__()
             while True:
                 try:
@@ -405,8 +370,8 @@ class Dispatcher:
                     break
                 num_chunks += 1
                 await write(chunk)
-            if finished and num_chunks > 1:
-                answer.trace.tpot_s = (time.monotonic() - first_s) / (num_chunks - 1)
+            answer.trace.mark("last_chunk")
+            answer.trace.num_chunks = num_chunks
         finally:
             answer.finish(finished)
 

@@ -6,7 +6,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvpush.proxy.timeline import PHASES, Trace
+
 _BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# finer at the low end: the push tail's target is 10 ms
+_PHASE_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class ProxyMetrics:
@@ -55,6 +59,16 @@ class ProxyMetrics:
             buckets=_BUCKETS_S,
             registry=r,
         )
+        self.phase_seconds = Histogram(
+            "kvpush_proxy_phase_seconds",
+            "per-request timeline phases at the proxy (kvpush.proxy.timeline.PHASES): route, "
+            "prefill, push_tail (prefill's answer to decode's first chunk), decode_headers, "
+            "stream, total",
+            ["phase"],
+            buckets=_PHASE_BUCKETS_S,
+            registry=r,
+        )
+        self._phases = {name: self.phase_seconds.labels(name) for name in PHASES}
         self.outstanding = Gauge(
             "kvpush_proxy_outstanding",
             "requests in flight per engine",
@@ -74,15 +88,22 @@ class ProxyMetrics:
             registry=r,
         )
 
-    def observe_latency(self, trace: Any) -> None:
-        """A finished request's timings (a dispatch.Trace); also logged at debug level."""
+    def observe_latency(self, trace: Trace) -> None:
+        """A request's timeline, once, however it ended; also logged at debug level."""
+        if trace.observed:
+            return
+        trace.observed = True
+        at = trace.at
         for histogram, value in (
-            (self.first_byte_seconds, trace.first_byte_s),
-            (self.ttft_seconds, trace.ttft_s),
+            (self.prefill_seconds, trace.phases().get("prefill")),
+            (self.first_byte_seconds, at.get("decode_headers")),
+            (self.ttft_seconds, at.get("first_chunk")),
             (self.tpot_seconds, trace.tpot_s),
         ):
             if value is not None:
                 histogram.observe(value)
+        for name, seconds in trace.phases().items():
+            self._phases[name].observe(seconds)
         trace.log()
 
     def observe_pool(self, pool: Any) -> None:

@@ -7,10 +7,11 @@ import asyncio
 import pytest
 
 from kvpush.proxy.config import EngineInfo, ProxyConfig
-from kvpush.proxy.dispatch import Dispatcher, PrefillLost, Trace
+from kvpush.proxy.dispatch import Dispatcher, PrefillLost
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.timeline import Trace
 
 
 class FakeContent:
@@ -123,7 +124,9 @@ def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
         assert out == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
         assert decode.released and not decode.closed and abandoner.abandoned == []
         await until(lambda: idle(pool))
-        assert answer.trace.ttft_s is not None and answer.trace.tpot_s is not None
+        phases = answer.trace.phases()
+        assert set(phases) == {"route", "prefill", "push_tail", "decode_headers", "stream", "total"}
+        assert answer.trace.tpot_s is not None and answer.trace.status == "ok"
 
     asyncio.run(go())
 
@@ -235,3 +238,53 @@ def test_pull_waits_for_prefill_and_passes_its_params_to_decode():
         await until(lambda: idle(pool))
 
     asyncio.run(go())
+
+
+def test_the_timeline_is_ordered_and_its_phases_add_up_to_the_total():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        await asyncio.sleep(0.01)
+        legs.prefills[0].set_result(b"{}")
+        await asyncio.sleep(0.01)
+        legs.decodes[0].chunks.put_nowait(b"data: 1\n\n")
+        answer = await task
+        legs.decodes[0].answer(b"data: [DONE]\n\n")
+
+        async def write(b: bytes) -> None:
+            await asyncio.sleep(0.005)
+
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        return answer.trace
+
+    trace = asyncio.run(go())
+    at = trace.at
+    order = ["arrival", "legs_sent", "decode_headers", "prefill_answer", "first_chunk"]
+    assert [at[e] for e in order] == sorted(at[e] for e in order)
+    assert at["first_chunk"] <= at["last_chunk"]
+    p = trace.phases()
+    assert p["push_tail"] >= 0.009 and p["prefill"] >= 0.009 and p["stream"] >= 0.009
+    parts = p["route"] + p["prefill"] + p["push_tail"] + p["stream"]
+    assert parts == pytest.approx(p["total"], abs=1e-9)
+
+
+def test_a_failed_request_still_records_what_it_passed_through():
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        trace = Trace(None)
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
+        await until(lambda: legs.prefills and legs.decodes)
+        legs.prefills[0].set_exception(ProxyError(400, "bad"))
+        with pytest.raises(ProxyError):
+            await task
+        return trace, dispatcher.metrics
+
+    trace, metrics = asyncio.run(go())
+    assert trace.observed and trace.status == "failed: ProxyError"
+    assert "legs_sent" in trace.at and "first_chunk" not in trace.at
+    assert set(trace.phases()) == {"route", "decode_headers"}  # the fake answers headers at once
+    route = metrics.registry.get_sample_value(
+        "kvpush_proxy_phase_seconds_count", {"phase": "route"}
+    )
+    assert route == 1
