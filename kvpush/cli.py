@@ -39,6 +39,13 @@ def _bench_proxy(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_ttft(args: argparse.Namespace) -> int:
+    from kvpush.bench import ttft
+
+    out = Path(args.out) if args.out else None
+    return ttft.main(out, args.num_requests, args.prompt_tokens, args.output_tokens, args.vllm_arg)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from kvpush.bench import serve
 
@@ -110,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", help="run the proxy under cProfile, write its stats here, print the top"
     )
     bproxy.set_defaults(func=_bench_proxy)
+    bttft = bench_sub.add_parser(
+        "ttft", help="one request at a time: proxy vs prefill vs decode vs one plain engine"
+    )
+    bttft.add_argument("--out", help="JSON file to write")
+    bttft.add_argument("--num-requests", type=int, default=8)
+    bttft.add_argument("--prompt-tokens", type=int, default=300)
+    bttft.add_argument("--output-tokens", type=int, default=64)
+    bttft.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="an argument for every engine, e.g. --vllm-arg=--distributed-executor-backend=uni",
+    )
+    bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
     bserve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,mono")
     bserve.add_argument("--qps", default="1,4")

@@ -60,6 +60,47 @@ def figure(points: dict[tuple, list[dict]], metric: str, stat: str, out: Path) -
     return path
 
 
+BREAKDOWN = ("route", "prefill", "push_tail")  # arrival -> first token, in order
+
+
+def breakdown(points: dict[tuple, list[dict]], out: Path) -> Path | None:
+    """TTFT at the proxy split into its timeline phases (medians), one stacked bar per
+    connector and grid point; None when no result has the proxy's phases."""
+    bars = sorted(
+        (k for k, runs in points.items() if runs[0].get("proxy_phases_ms")),
+        key=lambda k: (k[1], k[2], k[3], MODE_ORDER.index(k[0]) if k[0] in MODE_ORDER else 9),
+    )
+    if not bars:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(bars)), 4.0))
+    bottom = [0.0] * len(bars)
+    for phase in BREAKDOWN:
+        heights = [
+            statistics.fmean(
+                (r["proxy_phases_ms"].get(phase) or {}).get("median", 0.0) for r in points[k]
+            )
+            for k in bars
+        ]
+        ax.bar(range(len(bars)), heights, bottom=bottom, label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([f"{k[0]}\n{k[1]:g} QPS\nin {k[2]}" for k in bars], fontsize=7)
+    ax.set_ylabel("median ms, arrival to first token at the proxy")
+    ax.set_title("TTFT breakdown (proxy timeline)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = out / "ttft_breakdown.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def summary(points: dict[tuple, list[dict]], stat: str) -> str:
     modes = [m for m in MODE_ORDER if any(k[0] == m for k in points)]
     grid = sorted({k[1:] for k in points})
@@ -103,6 +144,7 @@ def summary(points: dict[tuple, list[dict]], stat: str) -> str:
 def main(results_dir: Path, metric: str = "ttft", stat: str = "median") -> int:
     points = load(results_dir)
     paths = [figure(points, m, stat, results_dir) for m in (metric, "tpot") if m in METRICS]
+    paths += [p for p in (breakdown(points, results_dir),) if p is not None]
     (results_dir / "summary.md").write_text(summary(points, stat))
     for path in [*dict.fromkeys(paths), results_dir / "summary.md"]:
         print(f"wrote {path}")

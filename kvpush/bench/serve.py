@@ -72,6 +72,7 @@ def sweep(
                             progress=label,
                         )
                     )
+                    summary["proxy_phases_ms"] = asyncio.run(proxy_phases(url, num_prompts))
                     summary |= {
                         "mode": mode,
                         "qps": q,
@@ -97,6 +98,34 @@ def sweep(
                         flush=True,
                     )
     return written
+
+
+async def proxy_phases(url: str, num_requests: int) -> dict | None:
+    """Median and p99 (numpy's) of each timeline phase over the proxy's last `num_requests`
+    requests (its /timelines), or None for an endpoint without one (a plain engine)."""
+    import aiohttp
+    import numpy as np
+
+    from kvpush import httpclient
+
+    async with httpclient.session() as c:
+        try:
+            async with c.get(url + "/timelines") as r:
+                if r.status != 200:
+                    return None
+                timelines = (await r.json())["timelines"][-num_requests:]
+        except (aiohttp.ClientError, ValueError, KeyError):
+            return None
+    names = sorted({k for t in timelines for k in t["phases_s"]})
+    out = {}
+    for name in names:
+        values = [t["phases_s"][name] * 1e3 for t in timelines if name in t["phases_s"]]
+        out[name] = {
+            "median": float(np.median(values)),
+            "p99": float(np.percentile(values, 99)),
+            "count": len(values),
+        }
+    return out
 
 
 def mode_stack(mode: str, model: str, log_dir: Path) -> object:

@@ -95,6 +95,10 @@ def create_app(config: ProxyConfig) -> web.Application:
             body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
         )
 
+    async def timelines(request: web.Request) -> web.Response:
+        """The phases of the last requests (at most metrics.RECENT_TIMELINES), newest last."""
+        return web.json_response({"timelines": list(metrics.recent)})
+
     async def models(request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "kvpush"} for m in pool.models()]
         return web.json_response({"object": "list", "data": data})
@@ -136,6 +140,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", prom)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/timelines", timelines)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

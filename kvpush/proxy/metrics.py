@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpush.proxy.timeline import PHASES, Trace
 
+RECENT_TIMELINES = 4096  # requests whose phases /timelines returns, newest last
 _BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # finer at the low end: the push tail's target is 10 ms
 _PHASE_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
@@ -69,6 +71,7 @@ class ProxyMetrics:
             registry=r,
         )
         self._phases = {name: self.phase_seconds.labels(name) for name in PHASES}
+        self.recent: collections.deque[dict] = collections.deque(maxlen=RECENT_TIMELINES)
         self.outstanding = Gauge(
             "kvpush_proxy_outstanding",
             "requests in flight per engine",
@@ -102,8 +105,12 @@ class ProxyMetrics:
         ):
             if value is not None:
                 histogram.observe(value)
-        for name, seconds in trace.phases().items():
+        phases = trace.phases()
+        for name, seconds in phases.items():
             self._phases[name].observe(seconds)
+        self.recent.append(
+            {"transfer_id": trace.transfer_id, "status": trace.status, "phases_s": phases}
+        )
         trace.log()
 
     def observe_pool(self, pool: Any) -> None:

@@ -46,3 +46,15 @@ def test_plot_writes_figures_and_a_summary_with_ratios(tmp_path):
 def test_plot_names_the_expected_file_pattern_when_empty(tmp_path):
     with pytest.raises(FileNotFoundError, match="_qps<q>_in<in>_out<out>_iter<i>.json"):
         plot.load(tmp_path)
+
+
+def test_the_ttft_breakdown_is_drawn_only_from_results_with_the_proxy_phases(tmp_path):
+    write_point(tmp_path, "mono", 1.0, 256, 0, 50.0, 5.0)
+    assert plot.breakdown(plot.load(tmp_path), tmp_path) is None
+    path = tmp_path / result_name("kvpush", 1.0, 256, 16, 0)
+    write_point(tmp_path, "kvpush", 1.0, 256, 0, 100.0, 10.0)
+    data = json.loads(path.read_text())
+    data["proxy_phases_ms"] = {p: {"median": 10.0, "p99": 20.0} for p in plot.BREAKDOWN}
+    path.write_text(json.dumps(data))
+    out = plot.breakdown(plot.load(tmp_path), tmp_path)
+    assert out == tmp_path / "ttft_breakdown.png" and out.stat().st_size > 1000

@@ -89,6 +89,26 @@ def test_streaming_and_chat_through_the_proxy(proxy_url, mono_url, chat, stream)
     assert got == want
 
 
+def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_url):
+    url, _, _ = proxy_url
+
+    async def go():
+        async with session() as c:
+            await post(c, url, body(tokens(300, 31), 16, stream=True))
+            async with c.get(url + "/timelines") as r:
+                return (await r.json())["timelines"][-1]
+
+    timeline = asyncio.run(go())
+    phases = timeline["phases_s"]
+    assert timeline["status"] == "ok" and len(timeline["transfer_id"]) == 32
+    assert set(phases) == {"route", "prefill", "push_tail", "decode_headers", "stream", "total"}
+    assert phases["prefill"] > 0 and phases["stream"] > 0  # 16 tokens take decode steps
+    parts = phases["route"] + phases["prefill"] + phases["push_tail"] + phases["stream"]
+    # exact when prefill's answer came before decode's first token; else push_tail is 0 and
+    # the parts overlap by the difference
+    assert parts == pytest.approx(phases["total"], abs=1e-6) or parts > phases["total"]
+
+
 def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):
     url, prefill_urls, decode_url = proxy_url
 
@@ -180,3 +200,7 @@ def test_bench_result_files_follow_the_contract(proxy_url, tmp_path):
     assert data["output_lens"] == [4, 4, 4, 4]
     # sampled from the proxy's /metrics during the run
     assert data["decode_waiting_on_prefill"]["samples"] >= 1
+    # the proxy's timeline: every phase of the 4 requests, joined into the result
+    phases = data["proxy_phases_ms"]
+    assert set(phases) == {"route", "prefill", "push_tail", "decode_headers", "stream", "total"}
+    assert all(p["count"] == 4 for p in phases.values())
