@@ -13,7 +13,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
@@ -54,6 +54,7 @@ class _Expected:
     registrations: dict[int, wire.RegisterMsg]  # by prefill rank
     cancel: Future | None = None
     failure: str = ""
+    marks: dict[str, float] = field(default_factory=dict)  # see Outcome.marks
 
 
 class DecodeEndpoint(Endpoint):
@@ -119,6 +120,7 @@ class DecodeEndpoint(Endpoint):
             for p in writer_heads(rank_heads(d, decode_tp, total), prefill.tp_size, total):
                 counts[p] = counts.get(p, 0) + 1
         exp = _Expected(Future(), len(block_ids), time.monotonic(), {}, set(), {}, {})
+        exp.marks["expected"] = exp.started_s
         for p_rank, heads in plan.items():
             address = prefill.rank_address(p_rank)
             reg = wire.RegisterMsg(
@@ -151,6 +153,7 @@ class DecodeEndpoint(Endpoint):
             reg = exp.unsent.pop(address, None)
             if reg is not None:
                 self._send(link, reg)
+                exp.marks.setdefault("registered", time.monotonic())
 
     def _on_cancel(self, key: wire.TransferKey, prefill: PrefillAddress | None) -> Future:
         exp = self._expected.get(key)
@@ -277,9 +280,13 @@ class DecodeEndpoint(Endpoint):
             if len(self._ended) > _MAX_ENDED:
                 self._ended.popitem(last=False)
             self._gauges = self._read_gauges()  # current before the caller sees it done
-            elapsed = time.monotonic() - exp.started_s
+            now = time.monotonic()
+            exp.marks["notified"] = now
             if not exp.future.done():
-                exp.future.set_result(Outcome(not exp.failure, exp.failure, elapsed_s=elapsed))
+                outcome = Outcome(
+                    not exp.failure, exp.failure, elapsed_s=now - exp.started_s, marks=exp.marks
+                )
+                exp.future.set_result(outcome)
             if exp.cancel is not None and not exp.cancel.done():
                 exp.cancel.set_result(Outcome(True, "blocks released"))
 

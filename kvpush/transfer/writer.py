@@ -47,6 +47,7 @@ class PrefillEndpoint(Endpoint):
         self._futures: dict[wire.TransferKey, Future] = {}
         self._stats: dict[wire.TransferKey, list[int]] = {}  # bytes, descriptors so far
         self._started: dict[wire.TransferKey, float] = {}
+        self._marks: dict[wire.TransferKey, dict[str, float]] = {}  # see Outcome.marks
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -66,6 +67,7 @@ class PrefillEndpoint(Endpoint):
         future: Future = Future()
         self._futures[key] = future
         self._started[key] = time.monotonic()
+        self._marks[key] = {"handed": self._started[key]}
         self._apply(self._matcher.source_ready(key, source))
         return future
 
@@ -158,7 +160,8 @@ class PrefillEndpoint(Endpoint):
         num_bytes, num_descs = self._stats.pop(r.key, (0, 0))
         future = self._futures.pop(r.key, None)
         self._gauges = self._read_gauges()  # current before the caller sees the future done
-        outcome = Outcome(r.ok, r.reason, num_bytes, num_descs, time.monotonic() - started)
+        marks = self._marks.pop(r.key, {})
+        outcome = Outcome(r.ok, r.reason, num_bytes, num_descs, time.monotonic() - started, marks)
         if not r.ok:
             log.warning("prefill: transfer %s failed: %s", r.key, r.reason)
         if future is not None and not future.done():
@@ -210,9 +213,9 @@ class PrefillEndpoint(Endpoint):
         stats = self._stats.setdefault(w.key, [0, 0])
         stats[0] += plan.total_bytes
         stats[1] += plan.num_descs
-        self._in_flight[(w.key, w.peer)] = _InFlight(
-            handle, time.monotonic(), plan.total_bytes, plan.num_descs
-        )
+        now = time.monotonic()
+        self._in_flight[(w.key, w.peer)] = _InFlight(handle, now, plan.total_bytes, plan.num_descs)
+        self._marks.setdefault(w.key, {}).setdefault("posted", now)
         if state == "ERR":
             self._finish_write(w.key, w.peer, "ERR")
 
@@ -225,6 +228,7 @@ class PrefillEndpoint(Endpoint):
     def _finish_write(self, key: wire.TransferKey, peer: str, state: str) -> None:
         flight = self._in_flight.pop((key, peer))
         self.agent.release(flight.handle)
+        self._marks.setdefault(key, {})["written"] = time.monotonic()
         ok = state == "DONE"
         self._apply(self._matcher.write_done(key, peer, ok, "" if ok else "NIXL WRITE failed"))
 

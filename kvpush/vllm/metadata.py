@@ -18,6 +18,7 @@ class Push:
     key: TransferKey
     block_ids: list[int]
     num_tokens: int
+    finished_s: float = 0.0  # time.monotonic() when vLLM finished it (the timeline's start)
 
 
 @dataclass(frozen=True)

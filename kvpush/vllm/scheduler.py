@@ -7,6 +7,7 @@ It runs in vLLM's scheduler, so it never touches the network: it only queues act
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -151,7 +152,8 @@ class PushScheduler:
         if request.status not in _FINISHED_OK or not block_ids:
             self._actions.append(m.Abort(key, f"prefill request ended {request.status.name}"))
             return False, None
-        self._actions.append(m.Push(rid, key, list(block_ids), request.num_prompt_tokens))
+        push = m.Push(rid, key, list(block_ids), request.num_prompt_tokens, time.monotonic())
+        self._actions.append(push)
         self._sending.add(rid)
         return True, {
             "do_remote_prefill": True,

@@ -23,6 +23,11 @@ GAUGES = {
     "expected_blocks": "decode: blocks held waiting for prefill",
     "quarantined_blocks": "decode: cancelled blocks prefill has not released yet",
 }
+# kvpush.vllm.worker.PHASES, named here so this module stays importable without the worker
+PHASE_NAMES = (
+    "handover", "pair_and_post", "write", "release", "register", "wait_writes", "report"
+)  # fmt: skip
+PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 CAUSES = ("lease", "dead", "restarted", "cancelled", "handshake", "write", "checksum", "other")
 
 
@@ -41,6 +46,7 @@ def _empty() -> dict[str, Any]:
         "num_descs": 0,
         "failures": {},
         "elapsed_s": [],
+        "phases_s": {},
         "settling": 0,
     }
 
@@ -55,7 +61,17 @@ class KVPushStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = _empty()
 
-    def record(self, ok: bool, reason: str, num_bytes: int, num_descs: int, elapsed_s: float):
+    def record(
+        self,
+        ok: bool,
+        reason: str,
+        num_bytes: int,
+        num_descs: int,
+        elapsed_s: float,
+        phases_s: dict[str, float] | None = None,
+    ) -> None:
+        for name, seconds in (phases_s or {}).items():
+            self.data["phases_s"].setdefault(name, []).append(seconds)
         if ok:
             self.data["transfers"] += 1
             self.data["num_bytes"] += num_bytes
@@ -75,6 +91,8 @@ class KVPushStats(KVConnectorStats):
         for cause, n in o.get("failures", {}).items():
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
         self.data["elapsed_s"] = self.data["elapsed_s"] + list(o.get("elapsed_s", []))
+        for name, values in o.get("phases_s", {}).items():
+            self.data["phases_s"][name] = self.data["phases_s"].get(name, []) + list(values)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -91,7 +109,8 @@ class KVPushStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["gauges"] or d["transfers"] or d["failures"] or d.get("settling"))
+        busy = d["gauges"] or d["transfers"] or d["failures"] or d.get("settling")
+        return not (busy or d.get("phases_s"))
 
 
 class KVPushPromMetrics(KVConnectorPromMetrics):
@@ -124,6 +143,18 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             idx: {c: failures.labels(*values, c) for c in (*CAUSES, "refused")}
             for idx, values in per_engine_labelvalues.items()
         }
+        phases = self._histogram_cls(
+            name="kvpush:phase_seconds",
+            documentation="per-request timeline phases in the connector (kvpush.vllm.worker."
+            "PHASES): prefill handover, pair_and_post, write, release; decode register, "
+            "wait_writes, report",
+            labelnames=[*labelnames, "phase"],
+            buckets=PHASE_BUCKETS_S,
+        )
+        self.phases = {
+            idx: {p: phases.labels(*values, p) for p in PHASE_NAMES}
+            for idx, values in per_engine_labelvalues.items()
+        }
         self.seconds = per_engine(
             self._histogram_cls,
             "kvpush:transfer_seconds",
@@ -142,3 +173,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             self.failures[engine_idx][cause].inc(n)
         for seconds in d.get("elapsed_s", []):
             self.seconds[engine_idx].observe(seconds)
+        for name, values in d.get("phases_s", {}).items():
+            histogram = self.phases[engine_idx].get(name)
+            for seconds in values if histogram is not None else ():
+                histogram.observe(seconds)

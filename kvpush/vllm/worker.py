@@ -7,6 +7,7 @@ own thread, and results are collected from futures that are already done.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -20,12 +21,39 @@ from kvpush.vllm.stats import GAUGES, KVPushStats
 log = logging.getLogger(__name__)
 
 
+# The engines' timeline phases: (from mark, to mark), on one host's monotonic clock. Prefill:
+# vLLM finished the request -> the writer has it -> first WRITE posted (this includes waiting
+# for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending.
+# Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
+# finished receiving.
+PHASES = {
+    "handover": ("finished", "handed"),
+    "pair_and_post": ("handed", "posted"),
+    "write": ("posted", "written"),
+    "release": ("written", "reported"),
+    "register": ("expected", "registered"),
+    "wait_writes": ("registered", "notified"),
+    "report": ("notified", "reported"),
+}
+
+
+def timeline_phases(marks: dict[str, float]) -> dict[str, float]:
+    """The phases whose two marks are known, in seconds."""
+    return {
+        name: max(0.0, marks[b] - marks[a])
+        for name, (a, b) in PHASES.items()
+        if marks.get(a) and b in marks
+    }
+
+
 class PushWorker:
     def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
         self.config = config
         self.vllm_config = vllm_config
         self.endpoint: Any = None
         self._futures: dict[str, Future] = {}  # req_id -> push, expect or cancel
+        self._timeline: dict[str, tuple[str, dict[str, float]]] = {}  # req_id -> transfer_id,
+        # marks known before the endpoint's (Push.finished_s)
         self._cancelled: set[str] = set()
         self._refused: set[str] = set()
         self._stats = KVPushStats()
@@ -98,10 +126,12 @@ class PushWorker:
     def _start(self, a: m.Action) -> None:
         ep = self.endpoint
         if isinstance(a, m.Push):
+            self._timeline[a.req_id] = (a.key.transfer_id, {"finished": a.finished_s})
             self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens)
         elif isinstance(a, m.Abort):
             self._settling.append(ep.abort(a.key, a.reason))
         elif isinstance(a, m.Expect):
+            self._timeline[a.req_id] = (a.key.transfer_id, {})
             self._futures[a.req_id] = ep.expect(
                 a.key, a.prefill, a.block_ids, a.num_tokens, a.num_cached_tokens
             )
@@ -126,6 +156,8 @@ class PushWorker:
                 continue
             del self._futures[req_id]
             outcome = future.result()
+            transfer_id, marks = self._timeline.pop(req_id, ("", {}))
+            phases = timeline_phases(marks | outcome.marks | {"reported": time.monotonic()})
             cancelled = req_id in self._cancelled
             self._cancelled.discard(req_id)
             if self.config.is_prefill:
@@ -141,16 +173,18 @@ class PushWorker:
                     outcome.num_bytes,
                     outcome.num_descs,
                     outcome.elapsed_s,
+                    phases,
                 )
             log.debug(
-                "kvpush: %s %s ok=%s %s bytes=%d descs=%d %.1f ms",
+                "kvpush: %s transfer_id=%s %s ok=%s %s bytes=%d descs=%d phases_ms: %s",
                 req_id,
+                transfer_id or "-",
                 "push" if self.config.is_prefill else "load",
                 outcome.ok,
                 outcome.reason,
                 outcome.num_bytes,
                 outcome.num_descs,
-                outcome.elapsed_s * 1e3,
+                " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()),
             )
         return sending, recving, failed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import urllib.request
 from dataclasses import replace
 
@@ -89,8 +90,19 @@ def test_streaming_and_chat_through_the_proxy(proxy_url, mono_url, chat, stream)
     assert got == want
 
 
+def phase_counts(url: str) -> dict[str, float]:
+    """kvpush:phase_seconds observations on an engine, by phase."""
+    out: dict[str, float] = {}
+    for key, value in metric_samples(url).items():
+        if key.startswith("kvpush:phase_seconds_count{"):
+            phase = key.split('phase="')[1].split('"')[0]
+            out[phase] = out.get(phase, 0) + value
+    return out
+
+
 def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_url):
-    url, _, _ = proxy_url
+    url, prefill_urls, decode_url = proxy_url
+    before = {u: phase_counts(u) for u in (*prefill_urls, decode_url)}
 
     async def go():
         async with session() as c:
@@ -107,6 +119,21 @@ def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_
     # exact when prefill's answer came before decode's first token; else push_tail is 0 and
     # the parts overlap by the difference
     assert parts == pytest.approx(phases["total"], abs=1e-6) or parts > phases["total"]
+    # and each engine's connector recorded its own phases of the same request
+    want = {
+        "prefill": {"handover", "pair_and_post", "write", "release"},
+        "decode": {"register", "wait_writes", "report"},
+    }
+    deadline = time.monotonic() + 5
+    while True:
+        grew = {
+            u: {p for p, n in phase_counts(u).items() if n > before[u].get(p, 0)} for u in before
+        }
+        prefill_grew = [g for u, g in grew.items() if u != decode_url and g]
+        if prefill_grew == [want["prefill"]] and grew[decode_url] == want["decode"]:
+            break
+        assert time.monotonic() < deadline, grew
+        time.sleep(0.1)
 
 
 def test_client_disconnect_mid_stream_frees_both_engines(proxy_url):

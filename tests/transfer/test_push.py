@@ -40,6 +40,10 @@ def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order
     out_d, out_p = decode.wait(fd), prefill.wait(fp)
     assert out_d.ok, out_d.reason
     assert out_p.ok, out_p.reason
+    # the timeline's marks, on one host's clock; REGISTER is sent before prefill can post
+    p, d = out_p.marks, out_d.marks
+    assert p["handed"] <= p["posted"] <= p["written"], p
+    assert d["expected"] <= d["registered"] <= p["posted"] and d["registered"] <= d["notified"]
     heads = range(decode.spec.first_head, decode.spec.first_head + decode.spec.num_heads)
     end = padded_end(prefill.spec, decode.spec, num_tokens)
     want = expected_after_push(
