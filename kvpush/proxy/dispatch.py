@@ -313,7 +313,11 @@ class Dispatcher:
                 abandon()
             self.pool.release(decode, tokens)
             trace.status = "ok" if finished else "ended early"
-            self.metrics.observe_latency(trace)
+            # prefill's answer can come after decode's: the timeline waits for it
+            if p_task is not None and not p_task.done():
+                p_task.add_done_callback(lambda _: self.metrics.observe_latency(trace))
+            else:
+                self.metrics.observe_latency(trace)
 
         trace.mark("first_chunk")
         if not d_body.get("stream"):
