@@ -32,6 +32,7 @@ from kvpush.proxy.timeline import Trace
 from kvpush.transfer.receiver import PrefillAddress
 
 log = logging.getLogger(__name__)
+DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI-style stream
 MAX_PREFILL_TRIES = 2  # the first engine and one other; then decode computes the prompt
 
 
@@ -357,15 +358,15 @@ class Dispatcher:
         """Copy a streamed answer to the client; `finish` runs once, however it ends. A decode
         failure mid-stream ends the stream with an error event."""
         assert answer.stream is not None
-        finished, num_chunks = False, 1
+        trace, finished, num_chunks = answer.trace, False, 1
         try:
             await start()
             await write(answer.first)
             chunks = answer.stream.content.iter_any().__aiter__()
-            while True:
+            while not finished:
                 try:
                     chunk = await chunks.__anext__()
-                except StopAsyncIteration:
+                except StopAsyncIteration:  # decode ended its stream: complete
                     finished = True
                     break
                 except (aiohttp.ClientError, TimeoutError) as e:
@@ -374,8 +375,12 @@ class Dispatcher:
                     break
                 num_chunks += 1
                 await write(chunk)
-            answer.trace.mark("last_chunk")
-            answer.trace.num_chunks = num_chunks
+                # The answer is complete: a client may close its connection the moment it
+                # reads this, before decode's stream ends.
+                finished = chunk.endswith(DONE)
+            if finished:
+                trace.mark("last_chunk")
+            trace.num_chunks = num_chunks
         finally:
             answer.finish(finished)
 
