@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -43,7 +44,15 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     from kvpush.bench import ttft
 
     out = Path(args.out) if args.out else None
-    return ttft.main(out, args.num_requests, args.prompt_tokens, args.output_tokens, args.vllm_arg)
+    return ttft.main(
+        out,
+        args.num_requests,
+        args.prompt_tokens,
+        args.output_tokens,
+        tuple(args.vllm_arg),
+        args.pin_cores,
+        json.loads(args.connector_extra),
+    )
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -129,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="an argument for every engine, e.g. --vllm-arg=--distributed-executor-backend=uni",
+    )
+    bttft.add_argument(
+        "--connector-extra", default="{}", help="JSON merged into kvpush's extra config"
+    )
+    bttft.add_argument(
+        "--pin-cores", action="store_true", help="each engine's whole process tree on its cores"
     )
     bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")

@@ -31,6 +31,33 @@ async def _timelines(url: str) -> list[dict]:
         return (await r.json())["timelines"]
 
 
+async def engine_phases(url: str) -> dict[str, tuple[float, float]]:
+    """An engine's kvpush:phase_seconds: phase -> (sum in seconds, count), over its life."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpclient.session() as c, c.get(url + "/metrics") as r:
+        text = await r.text()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "kvpush:phase_seconds":
+            continue
+        for s in family.samples:
+            kind = s.name.rsplit("_", 1)[-1]
+            if kind in ("sum", "count"):
+                out.setdefault(s.labels["phase"], [0.0, 0.0])[kind == "count"] += s.value
+    return {phase: (v[0], v[1]) for phase, v in out.items()}
+
+
+def _mean_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean of each phase between two engine_phases readings, in ms."""
+    out = {}
+    for phase, (total, count) in after.items():
+        t0, c0 = before.get(phase, (0.0, 0.0))
+        if count > c0:
+            out[phase] = (total - t0) / (count - c0) * 1e3
+    return out
+
+
 def _summary(results: list) -> dict:
     ok = [r for r in results if r.ok]
     if len(ok) < len(results):
@@ -48,6 +75,8 @@ def main(
     prompt_tokens: int = 300,
     output_tokens: int = 64,
     vllm_args: tuple[str, ...] = (),
+    pin_cores: bool = False,
+    connector_extra: dict | None = None,
 ) -> int:
     from kvpush.bench.serve import hardware
     from kvpush.launch import tinymodel
@@ -61,18 +90,28 @@ def main(
     warm = [random_prompt(prompt_tokens, rng) for _ in range(3)]
     log_dir = SETTINGS.cache_dir / "logs"
     result: dict = {"benchmark": "ttft", "num_requests": num_requests, "vllm_args": vllm_args}
+    result["pin_cores"], result["connector_extra"] = pin_cores, connector_extra or {}
     result |= {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
-    specs = stack_specs(model, "kvpush", 1, 1, extra_args=tuple(vllm_args))
+    engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores}
+    specs = stack_specs(model, "kvpush", 1, 1, connector_extra=connector_extra or {}, **engine_kw)
     stack = Stack(specs, "kvpush", PROXY_PORT, log_dir)
-    print(f"kvpush bench ttft: kvpush 1P1D, engines with {list(vllm_args) or 'defaults'}")
+    print(f"kvpush bench ttft: kvpush 1P1D, engines with {list(vllm_args)}, pinned {pin_cores}")
     stack.start()
     try:
         targets = {"proxy": stack.url, "prefill": specs[0].url, "decode": specs[1].url}
         for name, url in targets.items():
             asyncio.run(_sequential(url, warm, output_tokens))  # one-time compilation
+            engines = (targets["prefill"], targets["decode"])
+            before = [asyncio.run(engine_phases(u)) for u in engines]
             result[name] = _summary(asyncio.run(_sequential(url, prompts, output_tokens)))
             if name == "proxy":
+                time.sleep(1)  # the engines' stats reach /metrics with their next steps
+                after = [asyncio.run(engine_phases(u)) for u in engines]
+                result["engine_phases_mean_ms"] = {
+                    role: _mean_ms(b, a)
+                    for role, b, a in zip(("prefill", "decode"), before, after, strict=True)
+                }
                 timelines = asyncio.run(_timelines(url))[-num_requests:]
                 phases = {k for t in timelines for k in t["phases_s"]}
                 result["proxy_phases_median_ms"] = {
@@ -82,9 +121,7 @@ def main(
             print(f"  {name}: {result[name]}", flush=True)
     finally:
         stack.stop()
-    mono = EngineSpec(
-        "mono", model, DECODE_PORT, connector=None, engine_id="mono", extra_args=tuple(vllm_args)
-    )
+    mono = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
     plain = Stack([mono], "mono", PROXY_PORT, log_dir, with_proxy=False)
     plain.start()
     try:
@@ -94,6 +131,7 @@ def main(
     finally:
         plain.stop()
     result |= {"hardware": hardware(), "created_unix_s": int(time.time())}
+    print(f"  engine phases (means): {result['engine_phases_mean_ms']}")
     tail = result["proxy_phases_median_ms"].get("push_tail")
     print(f"push tail median (prefill's answer -> first token, at the proxy): {tail:.1f} ms")
     if out:

@@ -51,6 +51,9 @@ class EngineSpec:
     connector_extra: dict = field(default_factory=dict)
     kv_load_failure_policy: str | None = None  # vLLM's: "fail" (its default) or "recompute"
     extra_args: tuple[str, ...] = ()
+    # On CPU: run the whole engine (API server, engine core, workers) on its bound cores, not
+    # only its OpenMP threads, so one engine's busy loop cannot take the other's core.
+    pin_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -122,7 +125,15 @@ class EngineSpec:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if self.connector == "kvpush" and self.role != "mono":
             cmd += ["--middleware", "kvpush.vllm.validate.ValidateMiddleware"]
-        return cmd + list(self.extra_args)
+        cmd += list(self.extra_args)
+        if self.pin_cores and self.on_cpu:
+            cmd = ["taskset", "-c", self.cpu_cores, *cmd]
+        return cmd
+
+    @property
+    def cpu_cores(self) -> str:
+        """The cores the engine's OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND)."""
+        return (self.cpu_bind or DEFAULT_CPU_BIND[self.role]).replace("|", ",")
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

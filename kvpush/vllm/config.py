@@ -19,6 +19,9 @@ class ConnectorConfig:
     dead_after_s: float
     heartbeat_s: float
     debug_checksum: bool
+    # sys.setswitchinterval in the worker process: how long the endpoint thread can wait for
+    # the GIL while vLLM's worker spin-waits for its next step (Python's default: 5 ms)
+    gil_switch_interval_s: float | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -54,6 +57,7 @@ class ConnectorConfig:
             "dead_after_s",
             "heartbeat_s",
             "debug_checksum",
+            "gil_switch_interval_s",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -72,4 +76,14 @@ class ConnectorConfig:
             dead_after_s=float(extra.get("dead_after_s", 5.0)),
             heartbeat_s=float(extra.get("heartbeat_s", 1.0)),
             debug_checksum=bool(extra.get("debug_checksum", False)),
+            gil_switch_interval_s=_positive_or_none(extra, "gil_switch_interval_s"),
         )
+
+
+def _positive_or_none(extra: dict, name: str) -> float | None:
+    value = extra.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"kv_connector_extra_config {name} must be a number > 0, got {value!r}")
+    return float(value)

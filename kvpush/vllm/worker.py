@@ -7,6 +7,7 @@ own thread, and results are collected from futures that are already done.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -71,6 +72,8 @@ class PushWorker:
         from kvpush.transfer.writer import PrefillEndpoint
 
         cfg, vcfg = self.config, self.vllm_config
+        if cfg.gil_switch_interval_s is not None:
+            sys.setswitchinterval(cfg.gil_switch_interval_s)
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = vcfg.model_config
         layout = layout_from_kv_caches(
