@@ -7,6 +7,8 @@ from typing import Any
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
+DEFAULT_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -20,8 +22,9 @@ class ConnectorConfig:
     heartbeat_s: float
     debug_checksum: bool
     # sys.setswitchinterval in the worker process: how long the endpoint thread can wait for
-    # the GIL while vLLM's worker spin-waits for its next step (Python's default: 5 ms)
-    gil_switch_interval_s: float | None = None
+    # the GIL while vLLM's worker spin-waits for its next step (Python's default is 5 ms;
+    # 0.2 ms measured in docs/benchmarks.md, "The push tail")
+    gil_switch_interval_s: float = DEFAULT_GIL_SWITCH_INTERVAL_S
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -76,14 +79,14 @@ class ConnectorConfig:
             dead_after_s=float(extra.get("dead_after_s", 5.0)),
             heartbeat_s=float(extra.get("heartbeat_s", 1.0)),
             debug_checksum=bool(extra.get("debug_checksum", False)),
-            gil_switch_interval_s=_positive_or_none(extra, "gil_switch_interval_s"),
+            gil_switch_interval_s=_positive(
+                extra, "gil_switch_interval_s", DEFAULT_GIL_SWITCH_INTERVAL_S
+            ),
         )
 
 
-def _positive_or_none(extra: dict, name: str) -> float | None:
-    value = extra.get(name)
-    if value is None:
-        return None
+def _positive(extra: dict, name: str, default: float) -> float:
+    value = extra.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ValueError(f"kv_connector_extra_config {name} must be a number > 0, got {value!r}")
     return float(value)

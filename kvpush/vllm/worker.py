@@ -72,8 +72,7 @@ class PushWorker:
         from kvpush.transfer.writer import PrefillEndpoint
 
         cfg, vcfg = self.config, self.vllm_config
-        if cfg.gil_switch_interval_s is not None:
-            sys.setswitchinterval(cfg.gil_switch_interval_s)
+        sys.setswitchinterval(cfg.gil_switch_interval_s)
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = vcfg.model_config
         layout = layout_from_kv_caches(

@@ -40,3 +40,11 @@ def test_defaults():
 def test_unsupported_set_ups_are_refused_naming_the_setting(kw, message):
     with pytest.raises(ValueError, match=message):
         ConnectorConfig.from_vllm(vllm_config(**kw))
+
+
+def test_gil_switch_interval_defaults_and_refuses_a_bad_value():
+    assert ConnectorConfig.from_vllm(vllm_config()).gil_switch_interval_s == 0.0002
+    cfg = ConnectorConfig.from_vllm(vllm_config(extra={"gil_switch_interval_s": 0.001}))
+    assert cfg.gil_switch_interval_s == 0.001
+    with pytest.raises(ValueError, match="gil_switch_interval_s must be a number > 0, got 0"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"gil_switch_interval_s": 0}))
