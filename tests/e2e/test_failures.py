@@ -162,8 +162,8 @@ def test_wrong_prefill_engine_id_fails_the_request_clearly(fpair):
         async with session() as c:
             params = decode_params(fpair, uuid.uuid4().hex) | {"remote_engine_id": "other"}
             b = body(prompt(100, 5), 4, kv_transfer_params=params)
-            r = await c.post(fpair.decode_url + "/v1/completions", json=b, timeout=30)
-            return r.status_code
+            async with c.post(fpair.decode_url + "/v1/completions", json=b) as r:
+                return r.status
 
     assert asyncio.run(go()) == 500
     wait_idle(fpair.decode_url, timeout_s=2)
