@@ -215,7 +215,8 @@ class PrefillEndpoint(Endpoint):
         stats[1] += plan.num_descs
         now = time.monotonic()
         self._in_flight[(w.key, w.peer)] = _InFlight(handle, now, plan.total_bytes, plan.num_descs)
-        self._marks.setdefault(w.key, {}).setdefault("posted", now)
+        if w.key in self._marks:  # a source this endpoint still holds
+            self._marks[w.key].setdefault("posted", now)
         if state == "ERR":
             self._finish_write(w.key, w.peer, "ERR")
 
@@ -228,7 +229,8 @@ class PrefillEndpoint(Endpoint):
     def _finish_write(self, key: wire.TransferKey, peer: str, state: str) -> None:
         flight = self._in_flight.pop((key, peer))
         self.agent.release(flight.handle)
-        self._marks.setdefault(key, {})["written"] = time.monotonic()
+        if key in self._marks:  # not for a write that ends after its transfer was released
+            self._marks[key]["written"] = time.monotonic()
         ok = state == "DONE"
         self._apply(self._matcher.write_done(key, peer, ok, "" if ok else "NIXL WRITE failed"))
 
