@@ -177,17 +177,18 @@ class PushWorker:
                     outcome.elapsed_s,
                     phases,
                 )
-            log.debug(
-                "kvpush: %s transfer_id=%s %s ok=%s %s bytes=%d descs=%d phases_ms: %s",
-                req_id,
-                transfer_id or "-",
-                "push" if self.config.is_prefill else "load",
-                outcome.ok,
-                outcome.reason,
-                outcome.num_bytes,
-                outcome.num_descs,
-                " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()),
-            )
+            if log.isEnabledFor(logging.DEBUG):  # formatting the phases is not free
+                log.debug(
+                    "kvpush: %s transfer_id=%s %s ok=%s %s bytes=%d descs=%d phases_ms: %s",
+                    req_id,
+                    transfer_id or "-",
+                    "push" if self.config.is_prefill else "load",
+                    outcome.ok,
+                    outcome.reason,
+                    outcome.num_bytes,
+                    outcome.num_descs,
+                    " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()),
+                )
         return sending, recving, failed
 
     def take_stats(self) -> KVPushStats | None:
