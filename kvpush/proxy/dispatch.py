@@ -26,6 +26,7 @@ import msgspec
 
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.firsttoken import Skip, first_token
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
 from kvpush.proxy.timeline import Trace
@@ -78,8 +79,9 @@ class Answer:
     trace: Trace
     body: bytes | None
     first: bytes = b""
-    stream: DecodeResponse | None = None
+    stream: DecodeResponse | None = None  # None with `first`: prefill's token was the answer
     finish: Callable[[bool], None] = lambda finished: None
+    skip: Skip | None = None  # decode's stream less the first token, already in `first`
 
 
 class Dispatcher:
@@ -179,7 +181,7 @@ class Dispatcher:
 
         return await self._from_decode(
             decode, body | {"kv_transfer_params": d_params}, chat, headers, trace, tokens,
-            p_task, abandon,
+            p_task, abandon, early=self.config.connector == "kvpush" and bool(body.get("stream")),
         )  # fmt: skip
 
     async def _pull(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
@@ -262,9 +264,13 @@ class Dispatcher:
         tokens: int,
         p_task: asyncio.Future | None = None,
         abandon: Callable[[], None] = lambda: None,
+        early: bool = False,
     ) -> Answer:
         """Decode's headers, then its first chunk or whole answer; a prefill failure before
         that wins, closes decode's leg and is raised.
+
+        `early` (kvpush, streamed): once decode has accepted the request (its headers), the
+        first token comes from prefill's answer (proxy.firsttoken), not decode's first chunk.
 
         No task of its own: the leg runs in the caller's task, and a prefill failure cancels
         that task from a callback (as asyncio.timeout does), told apart from a cancellation by
@@ -287,7 +293,9 @@ class Dispatcher:
                     raise failure
                 p_task.add_done_callback(prefill_done)
             try:
-                data = await self._decode_leg(decode, chat, d_body, headers, trace, hold)
+                data = await self._decode_leg(
+                    decode, chat, d_body, headers, trace, hold, read=not early
+                )
             except asyncio.CancelledError:
                 if interrupted and me.uncancel() == 0:
                     raise interrupted[0] from None
@@ -296,6 +304,12 @@ class Dispatcher:
                 racing = False
                 if p_task is not None:
                     p_task.remove_done_callback(prefill_done)
+            first = None
+            if early:
+                assert p_task is not None
+                first = first_token(await p_task, d_body, chat)
+                if first is None:  # this one is answered from decode's stream whole
+                    data = await first_chunk(hold[0], decode)
         except BaseException as e:
             for d_resp in hold:
                 d_resp.close()
@@ -305,9 +319,10 @@ class Dispatcher:
                 self.pool.mark_failed(decode, e)
             raise
         d_resp = hold[0]
+        ends = first is not None and first.ends
 
         def finish(finished: bool) -> None:
-            if finished:
+            if finished and not ends:
                 d_resp.release()
             else:
                 d_resp.close()
@@ -320,7 +335,13 @@ class Dispatcher:
             else:
                 self.metrics.observe_latency(trace)
 
-        trace.mark("first_chunk")
+        if first is not None:  # the client's first token is prefill's
+            trace.mark("first_token")
+            if ends:  # and its last: decode's leg ends here (an ABANDON frees prefill)
+                trace.at["last_chunk"] = trace.at["first_token"]
+                return Answer(trace, None, first.events, None, finish)
+            return Answer(trace, None, first.events, d_resp, finish, Skip(first, chat))
+        trace.at["first_token"] = trace.mark("first_chunk")
         if not d_body.get("stream"):
             trace.at["last_chunk"] = trace.at["first_chunk"]
             finish(True)
@@ -335,19 +356,20 @@ class Dispatcher:
         headers: dict,
         trace: Trace,
         hold: list[DecodeResponse],
+        read: bool = True,
     ) -> bytes:
-        """Decode's first chunk (streamed) or whole answer; its response goes into `hold`."""
+        """Decode's first chunk (streamed) or whole answer, or with `read` False nothing
+        beyond its headers; its response goes into `hold`."""
         d_resp = await self.legs.decode(decode, chat, d_body, headers)
         hold.append(d_resp)
         trace.mark("decode_headers")
         if d_resp.status != 200:
             raise decode_error(decode, d_resp.status, await d_resp.read(), trace.transfer_id)
+        if not read:
+            return b""
         if not d_body.get("stream"):
             return await d_resp.read()
-        try:
-            return await d_resp.content.iter_any().__aiter__().__anext__()
-        except StopAsyncIteration:
-            raise ProxyError(502, f"decode engine {decode.info.url}: empty stream") from None
+        return await first_chunk(d_resp, decode)
 
     async def relay(
         self,
@@ -357,11 +379,13 @@ class Dispatcher:
     ) -> None:
         """Copy a streamed answer to the client; `finish` runs once, however it ends. A decode
         failure mid-stream ends the stream with an error event."""
-        assert answer.stream is not None
-        trace, finished, num_chunks = answer.trace, False, 1
+        trace, finished, skip = answer.trace, answer.stream is None, answer.skip
+        num_chunks = 0 if skip is not None else 1
         try:
             await start()
             await write(answer.first)
+            if answer.stream is None:  # prefill's token was the whole answer
+                return
             chunks = answer.stream.content.iter_any().__aiter__()
             while not finished:
                 try:
@@ -374,7 +398,13 @@ class Dispatcher:
                     await write(sse_error(502, f"decode engine failed mid-stream: {e!r}"))
                     break
                 num_chunks += 1
-                await write(chunk)
+                if skip is None:
+                    await write(chunk)
+                else:
+                    if num_chunks == 1:
+                        trace.mark("first_chunk")
+                    if data := skip.feed(chunk):
+                        await write(data)
                 # The answer is complete: a client may close its connection the moment it
                 # reads this, before decode's stream ends.
                 finished = chunk.endswith(DONE)
@@ -383,6 +413,13 @@ class Dispatcher:
             trace.num_chunks = num_chunks
         finally:
             answer.finish(finished)
+
+
+async def first_chunk(d_resp: DecodeResponse, decode: EngineState) -> bytes:
+    try:
+        return await d_resp.content.iter_any().__aiter__().__anext__()
+    except StopAsyncIteration:
+        raise ProxyError(502, f"decode engine {decode.info.url}: empty stream") from None
 
 
 def prefill_failure(p_task: asyncio.Future) -> BaseException | None:
@@ -398,7 +435,8 @@ def route(chat: bool) -> str:
 def prefill_body(body: dict, chat: bool, params: dict) -> dict:
     out = dict(body) | {"max_tokens": 1, "stream": False, "kv_transfer_params": params}
     out.pop("stream_options", None)
-    out.pop("min_tokens", None)
+    if out.get("min_tokens"):  # prefill's one token honours it, as the first of the answer
+        out["min_tokens"] = 1
     if chat or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out

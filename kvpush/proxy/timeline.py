@@ -18,13 +18,15 @@ EVENTS = (
     "legs_sent",  # both legs (push) or the prefill leg (pull) handed to the HTTP client
     "prefill_answer",  # prefill's answer in
     "decode_headers",  # decode's response headers in
-    "first_chunk",  # the answer's first chunk (streamed) or whole answer in hand
+    "first_token",  # the client's first token ready: prefill's (kvpush, streamed) or decode's
+    "first_chunk",  # decode's first chunk (streamed) or whole answer in hand
     "last_chunk",  # decode's stream ended
 )
 PHASES = {  # name: (from event, to event); "arrival" is 0
     "route": ("arrival", "legs_sent"),
     "prefill": ("legs_sent", "prefill_answer"),
     "push_tail": ("prefill_answer", "first_chunk"),  # prefill answered -> decode's first token
+    "ttft": ("arrival", "first_token"),
     "decode_headers": ("legs_sent", "decode_headers"),
     "stream": ("first_chunk", "last_chunk"),
     "total": ("arrival", "last_chunk"),

@@ -71,6 +71,7 @@ class Outcome:
     # prefill "handed", "posted" (first WRITE), "written" (last WRITE complete); decode
     # "expected", "registered" (first REGISTER sent), "notified" (all WRITEs in)
     marks: dict[str, float] = field(default_factory=dict)
+    first_token: int = -1  # decode: the token prefill sampled, from the WRITEs' notifications
 
 
 @dataclass

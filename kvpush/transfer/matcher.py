@@ -20,6 +20,7 @@ from kvpush.transfer.wire import RegisterMsg, TransferKey
 class Source:
     block_ids: list[int]
     num_tokens: int
+    first_token: int = -1  # the token prefill sampled, for decode to continue from; -1: none
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class _Expected:
     cancel: Future | None = None
     failure: str = ""
     marks: dict[str, float] = field(default_factory=dict)  # see Outcome.marks
+    first_token: int = -1
 
 
 class DecodeEndpoint(Endpoint):
@@ -228,6 +229,8 @@ class DecodeEndpoint(Endpoint):
                         written.key,
                     )
                     continue
+                if written.first_token >= 0:
+                    exp.first_token = written.first_token
                 self._complete(written.key, address, self._verify(exp, written))
 
     def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> str:
@@ -284,7 +287,11 @@ class DecodeEndpoint(Endpoint):
             exp.marks["notified"] = now
             if not exp.future.done():
                 outcome = Outcome(
-                    not exp.failure, exp.failure, elapsed_s=now - exp.started_s, marks=exp.marks
+                    not exp.failure,
+                    exp.failure,
+                    elapsed_s=now - exp.started_s,
+                    marks=exp.marks,
+                    first_token=exp.first_token,
                 )
                 exp.future.set_result(outcome)
             if exp.cancel is not None and not exp.cancel.done():

@@ -147,6 +147,7 @@ class WrittenMsg(msgspec.Struct, array_like=True):
     key: TransferKey
     prefill_rank: int
     digest: bytes = b""  # debug_checksum: layout.digest() of what prefill sent
+    first_token: int = -1  # the token prefill sampled (decode continues from it); -1: none
 
 
 _encoder = msgspec.msgpack.Encoder()

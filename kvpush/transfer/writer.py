@@ -51,9 +51,13 @@ class PrefillEndpoint(Endpoint):
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
-    def push(self, key: wire.TransferKey, block_ids: list[int], num_tokens: int) -> Future:
-        """Prefill of `key` is done: write it to decode. Resolves when the blocks may be freed."""
-        return self._call(self._on_source, key, Source(list(block_ids), num_tokens))
+    def push(
+        self, key: wire.TransferKey, block_ids: list[int], num_tokens: int, first_token: int = -1
+    ) -> Future:
+        """Prefill of `key` is done: write it to decode (with the first token prefill sampled,
+        in each WRITE's notification). Resolves when the blocks may be freed."""
+        source = Source(list(block_ids), num_tokens, first_token)
+        return self._call(self._on_source, key, source)
 
     def abort(self, key: wire.TransferKey, reason: str) -> Future:
         """The prefill request failed or was aborted: tell decode, hold nothing. Resolves
@@ -197,7 +201,8 @@ class PrefillEndpoint(Endpoint):
                 sent = digest(
                     self.layout, w.source.block_ids, reg.num_cached_tokens, reg.num_tokens, heads
                 )
-            notif = wire.encode(wire.WrittenMsg(w.key, self.config.rank, sent))
+            written = wire.WrittenMsg(w.key, self.config.rank, sent, w.source.first_token)
+            notif = wire.encode(written)
             handle, state = self.agent.post(
                 "WRITE",
                 peer.agent_name,

@@ -51,6 +51,16 @@ class ConnectorConfig:
                 f"KVPushConnector does not support hybrid attention/state-space models yet "
                 f"({model.model})"
             )
+        if kv.kv_role == "kv_consumer":
+            from kvpush.vllm import firsttoken
+
+            if not firsttoken.is_loaded(model):
+                raise ValueError(
+                    "KVPushConnector on a decode engine (kv_consumer) continues from the first "
+                    "token prefill sampled, which the proxy has already sent to the client: "
+                    f"start vLLM with --logits-processors {firsttoken.FQCN} "
+                    "(kvpush serve does)"
+                )
         extra = dict(kv.kv_connector_extra_config or {})
         known = {
             "backends",

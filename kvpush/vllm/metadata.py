@@ -19,6 +19,7 @@ class Push:
     block_ids: list[int]
     num_tokens: int
     finished_s: float = 0.0  # time.monotonic() when vLLM finished it (the timeline's start)
+    first_token: int = -1  # the token prefill sampled: decode continues from it
 
 
 @dataclass(frozen=True)
@@ -51,15 +52,6 @@ class Cancel:
 
 
 @dataclass(frozen=True)
-class Release:
-    """Decode: a full local prefix hit; prefill may free its blocks now."""
-
-    key: TransferKey
-    prefill: PrefillAddress
-    num_tokens: int
-
-
-@dataclass(frozen=True)
 class Refuse:
     """Decode: the request's params are bad; fail it alone, as a load failure."""
 
@@ -67,7 +59,7 @@ class Refuse:
     reason: str
 
 
-Action = Push | Abort | Expect | Cancel | Release | Refuse
+Action = Push | Abort | Expect | Cancel | Refuse
 
 
 @dataclass

@@ -29,17 +29,14 @@ class PushScheduler:
         self._sending: set[str] = set()  # prefill: pushes the workers have not finished
         self._loading: dict[str, m.Expect | None] = {}  # decode: waiting for finished_recving
         self._loaded: set[str] = set()  # decode: KV arrived; the request decodes
-        self._released: set[str] = set()  # decode: full local hit, prefill told
         self._refused: dict[str, str] = {}  # decode: bad params, failed as a load failure
         self._abandoned: set[str] = set()  # decode: finished while loading; a cancel is out
-        self._settling = 0  # workers' aborts, cancels, releases not acted on yet
+        self._settling = 0  # workers' aborts and cancels not acted on yet
 
     # -- decode ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         rid = request.request_id
         if self.config.is_prefill or rid in self._loading or rid in self._loaded:
-            return 0, False
-        if rid in self._released:
             return 0, False
         need = request.num_prompt_tokens - num_computed
         try:
@@ -58,12 +55,9 @@ class PushScheduler:
             return need, True
         if params is None:
             return 0, False
-        if need <= 1:  # full local prefix hit: decode computes the last token itself
-            assert params.prefill is not None
-            self._released.add(rid)
-            key = params.key(rid)
-            self._actions.append(m.Release(key, params.prefill, request.num_prompt_tokens))
-            return 0, False
+        # Even on a full local prefix hit (need == 1) decode loads the last token from
+        # prefill: it must continue from the first token prefill sampled, which comes with
+        # the WRITE (kvpush.vllm.firsttoken).
         return need, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -112,7 +106,6 @@ class PushScheduler:
             return self._prefill_finished(request, block_ids)
         rid = request.request_id
         self._refused.pop(rid, None)
-        self._released.discard(rid)
         loaded = rid in self._loaded
         self._loaded.discard(rid)
         if rid in self._loading:
@@ -152,7 +145,8 @@ class PushScheduler:
         if request.status not in _FINISHED_OK or not block_ids:
             self._actions.append(m.Abort(key, f"prefill request ended {request.status.name}"))
             return False, None
-        push = m.Push(rid, key, list(block_ids), request.num_prompt_tokens, time.monotonic())
+        first = request.output_token_ids[0] if request.output_token_ids else -1
+        push = m.Push(rid, key, list(block_ids), request.num_prompt_tokens, time.monotonic(), first)
         self._actions.append(push)
         self._sending.add(rid)
         return True, {

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import TransferConfig
+from kvpush.vllm import firsttoken
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.kvlayout import layout_from_kv_caches
@@ -59,7 +60,7 @@ class PushWorker:
         self._refused: set[str] = set()
         self._stats = KVPushStats()
         self._last_gauges: dict[str, int] = {}
-        self._settling: list[Future] = []  # aborts, cancels, releases not yet acted on
+        self._settling: list[Future] = []  # aborts and cancels not yet acted on
         self._last_settling = 0
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -129,7 +130,7 @@ class PushWorker:
         ep = self.endpoint
         if isinstance(a, m.Push):
             self._timeline[a.req_id] = (a.key.transfer_id, {"finished": a.finished_s})
-            self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens)
+            self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens, a.first_token)
         elif isinstance(a, m.Abort):
             self._settling.append(ep.abort(a.key, a.reason))
         elif isinstance(a, m.Expect):
@@ -143,8 +144,6 @@ class PushWorker:
             elif a.req_id in self._futures:  # else it was reported already: nothing held
                 self._futures[a.req_id] = ep.cancel(a.key)
                 self._cancelled.add(a.req_id)
-        elif isinstance(a, m.Release):
-            self._settling.append(ep.expect(a.key, a.prefill, [], a.num_tokens, a.num_tokens))
         elif isinstance(a, m.Refuse):
             self._refused.add(a.req_id)
 
@@ -168,6 +167,8 @@ class PushWorker:
                 recving.add(req_id)
                 if not outcome.ok and not cancelled:
                     failed.add(req_id)
+                elif outcome.ok and outcome.first_token >= 0:
+                    firsttoken.offer(transfer_id, outcome.first_token)
             if not cancelled:
                 self._stats.record(
                     outcome.ok,
@@ -194,7 +195,7 @@ class PushWorker:
     def take_stats(self) -> KVPushStats | None:
         """Stats for this step, or None when nothing changed since the last one.
 
-        `settling` counts aborts, cancels and releases the endpoint has not acted on yet: no
+        `settling` counts aborts and cancels the endpoint has not acted on yet: no
         request waits on them, so without it the engine could go idle before the gauges
         show their effect. The scheduler keeps the engine stepping while it is above 0."""
         self._settling = [f for f in self._settling if not f.done()]

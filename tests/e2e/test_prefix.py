@@ -1,6 +1,7 @@
 """Decode-side prefix caching with a prefill block of 64 and a decode block of 32: a decode hit
 can end mid-way through a prefill block. Only the uncached suffix is written, into the right
-slots, and prefill frees its blocks promptly (at once on a full hit)."""
+slots, and prefill frees its blocks promptly (on a full hit, once the last token is written:
+decode continues from prefill's first token, which comes with the WRITE)."""
 
 from __future__ import annotations
 

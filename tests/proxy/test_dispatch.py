@@ -77,7 +77,7 @@ class FakeAbandoner:
         self.abandoned.append(transfer_id)
 
 
-def make(num_prefill: int = 2, connector: str = "kvpush"):
+def make(num_prefill: int = 2, connector: str = "nixl-push"):
     engines = tuple(EngineInfo(f"http://p{i}", "prefill", f"p{i}") for i in range(num_prefill))
     engines += (EngineInfo("http://d0", "decode", "d0"),)
     config = ProxyConfig(engines=engines, connector=connector)
@@ -125,7 +125,15 @@ def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
         assert decode.released and not decode.closed and abandoner.abandoned == []
         await until(lambda: idle(pool))
         phases = answer.trace.phases()
-        assert set(phases) == {"route", "prefill", "push_tail", "decode_headers", "stream", "total"}
+        assert set(phases) == {
+            "route",
+            "prefill",
+            "push_tail",
+            "decode_headers",
+            "ttft",
+            "stream",
+            "total",
+        }
         assert answer.trace.tpot_s is not None and answer.trace.status == "ok"
 
     asyncio.run(go())
@@ -288,3 +296,63 @@ def test_a_failed_request_still_records_what_it_passed_through():
         "kvpush_proxy_phase_seconds_count", {"phase": "route"}
     )
     assert route == 1
+
+
+PREFILL_ANSWER = (
+    b'{"id":"cmpl-x","object":"text_completion","created":7,"model":"tiny","choices":[{"index":0,'
+    b'"text":"A","logprobs":null,"finish_reason":"%s","stop_reason":null,"token_ids":null}],'
+    b'"usage":{"prompt_tokens":2,"total_tokens":3,"completion_tokens":1}}'
+)
+
+
+def decode_chunk(text: str) -> bytes:
+    return (
+        b'data: {"id":"cmpl-x","object":"text_completion","created":7,"model":"tiny","choices":'
+        b'[{"index":0,"text":"%s","logprobs":null,"finish_reason":null}]}\n\n' % text.encode()
+    )
+
+
+def test_kvpush_streams_prefills_token_first_then_decode_without_it():
+    async def go():
+        dispatcher, pool, legs, abandoner = make(connector="kvpush")
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        await asyncio.sleep(0.01)
+        assert not task.done()  # waits for prefill's answer, not decode's first chunk
+        legs.prefills[0].set_result(PREFILL_ANSWER % b"length")
+        answer = await task
+        assert b'"text":"A"' in answer.first and "first_token" in answer.trace.at
+        legs.decodes[0].answer(decode_chunk("A") + decode_chunk("B"), b"data: [DONE]\n\n")
+        out: list[bytes] = []
+
+        async def write(b: bytes) -> None:
+            out.append(b)
+
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        text = b"".join(out)
+        assert text.count(b'"text":"A"') == 1 and b'"text":"B"' in text
+        assert text.endswith(b"data: [DONE]\n\n") and legs.decodes[0].released
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_kvpush_answer_ended_by_prefills_token_closes_decode_and_abandons():
+    async def go():
+        dispatcher, pool, legs, abandoner = make(connector="kvpush")
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        legs.prefills[0].set_result(PREFILL_ANSWER % b"stop")
+        answer = await task
+        out: list[bytes] = []
+
+        async def write(b: bytes) -> None:
+            out.append(b)
+
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        assert b'"finish_reason":"stop"' in out[0] and out[0].endswith(b"data: [DONE]\n\n")
+        assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
+        assert answer.trace.status == "ok"
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())

@@ -70,7 +70,7 @@ def test_push_legs_carry_the_params_and_prefill_makes_one_token():
         assert r.status_code == 200
         wait_for(lambda: len(p_app.state.requests) == 1, "the prefill leg never arrived")
         (p_body,), (d_body,) = p_app.state.requests, d_app.state.requests
-        assert p_body["max_tokens"] == 1 and "min_tokens" not in p_body and not p_body["stream"]
+        assert p_body["max_tokens"] == 1 and p_body["min_tokens"] == 1 and not p_body["stream"]
         tid = p_body["kv_transfer_params"]["transfer_id"]
         remote_request_id = d_body["kv_transfer_params"].pop("remote_request_id")
         assert remote_request_id.startswith("cmpl-kvpush-") and remote_request_id.endswith("-0")

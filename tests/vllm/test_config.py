@@ -7,15 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvpush.launch.engine import FIRST_TOKEN_PROCESSOR
 from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.firsttoken import FQCN, FirstTokenProcessor
 
 
-def vllm_config(role="kv_producer", pp=1, mla=False, hybrid=False, extra=None, engine_id="p0"):
+def vllm_config(
+    role="kv_producer", pp=1, mla=False, hybrid=False, extra=None, engine_id="p0", procs=(FQCN,)
+):
     kv = SimpleNamespace(kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra or {})
     return SimpleNamespace(
         kv_transfer_config=kv,
         parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
-        model_config=SimpleNamespace(use_mla=mla, is_hybrid=hybrid, model="m"),
+        model_config=SimpleNamespace(
+            use_mla=mla, is_hybrid=hybrid, model="m", logits_processors=list(procs)
+        ),
     )
 
 
@@ -35,6 +41,10 @@ def test_defaults():
         ({"role": "kv_both"}, "got 'kv_both'"),
         ({"engine_id": ""}, "needs an engine_id"),
         ({"extra": {"side_chanel_port": 1}}, "unknown kv_connector_extra_config keys"),
+        (
+            {"role": "kv_consumer", "procs": ()},
+            "--logits-processors kvpush.vllm.firsttoken:FirstTokenProcessor",
+        ),
     ],
 )
 def test_unsupported_set_ups_are_refused_naming_the_setting(kw, message):
@@ -48,3 +58,9 @@ def test_gil_switch_interval_defaults_and_refuses_a_bad_value():
     assert cfg.gil_switch_interval_s == 0.001
     with pytest.raises(ValueError, match="gil_switch_interval_s must be a number > 0, got 0"):
         ConnectorConfig.from_vllm(vllm_config(extra={"gil_switch_interval_s": 0}))
+
+
+def test_decode_accepts_the_first_token_processor_by_name_or_class():
+    assert FIRST_TOKEN_PROCESSOR == FQCN  # what kvpush serve passes is what the check wants
+    for procs in ((FQCN,), (FirstTokenProcessor,), ("other:Proc", FQCN)):
+        assert not ConnectorConfig.from_vllm(vllm_config("kv_consumer", procs=procs)).is_prefill
