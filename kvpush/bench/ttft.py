@@ -66,6 +66,8 @@ def _summary(results: list) -> dict:
     return {
         "median_ttft_ms": float(np.median([r.ttft_ms for r in ok])),
         "median_tpot_ms": float(np.median([r.tpot_ms for r in ok])),
+        # the first inter-token gap: with kvpush, where the push tail goes (docs/benchmarks.md)
+        "median_itl0_ms": float(np.median([r.itl_ms[0] for r in ok if r.itl_ms])),
     }
 
 
