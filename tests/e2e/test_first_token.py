@@ -57,7 +57,7 @@ def streamed_text(events: list[dict]) -> str:
     return "".join(httpclient.sse_text(e) for e in events)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 31, 700, 3000])
+@pytest.mark.parametrize("num_tokens", [1, 700, 3000])  # 31, 64, 100: test_correctness
 def test_streamed_completion_equals_plain_engine_token_for_token(proxy, mono_url, num_tokens):
     prompt = tokens(num_tokens, seed=40 + num_tokens)
 
@@ -148,15 +148,15 @@ async def both_legs(c, prefill_url, decode_url, pair_port, prefill_id, prompt, s
 def test_decode_continues_from_prefills_token_under_random_sampling(engines, mono_url):
     """200 requests sampled at temperature 2, half of them seeded: decode's first token is
     prefill's every time. So that this can fail, the test also draws each request's first
-    token from the plain engine, unseeded: those draws must often differ from prefill's (as
-    decode's own would, were it not forced)."""
+    token of each unseeded request from the plain engine: those draws must often differ from
+    prefill's (as decode's own would, were it not forced)."""
     p, d = engines["prefill"].spec, engines["decode"].spec
     base = {"temperature": 2.0, "repetition_penalty": 1.2, "frequency_penalty": 0.5,
             "presence_penalty": 0.3}  # fmt: skip
 
     async def go():
         async with session() as c:
-            sem = asyncio.Semaphore(4)
+            sem = asyncio.Semaphore(8)
 
             async def one(i):
                 sampling = base | ({"seed": i} if i % 2 else {})
@@ -165,6 +165,8 @@ def test_decode_continues_from_prefills_token_under_random_sampling(engines, mon
                     legs = await both_legs(
                         c, p.url, d.url, p.side_channel_port, p.name, prompt, sampling
                     )
+                    if i % 2:  # seeded: prefill's draw is the plain engine's anyway
+                        return (*legs, legs[0])
                     own = await plain(c, mono_url, prompt, 1, return_token_ids=True, **base)
                 return (*legs, own)
 
@@ -175,5 +177,5 @@ def test_decode_continues_from_prefills_token_under_random_sampling(engines, mon
     mismatches = [i for i, (pre, dec, _) in enumerate(first) if pre != dec]
     assert mismatches == [], f"decode's first token differed from prefill's in {mismatches}"
     differ = sum(1 for pre, _, own in first if own != pre)
-    assert differ >= 10, f"an independent draw differed from prefill's only {differ}/200 times"
+    assert differ >= 5, f"an independent draw differed from prefill's only {differ}/100 times"
     wait_idle(p.url, d.url, timeout_s=10)
