@@ -49,7 +49,7 @@ class FirstTokenProcessor(LogitsProcessor):
     """Forces prefill's first token for requests loaded by kvpush; a no-op for the rest."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        # batch index -> (transfer_id, the request's output token ids, live)
+        # batch index -> (transfer_id, the request's output token ids: vLLM's live list)
         self._waiting: dict[int, tuple[str, list[int]]] = {}
 
     def is_argmax_invariant(self) -> bool:
