@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from kvpush.proxy.config import EngineInfo, ProxyConfig
@@ -20,6 +21,8 @@ class FakeContent:
 
     async def iter_any(self):
         while (chunk := await self.chunks.get()) is not None:
+            if isinstance(chunk, Exception):  # the connection failed here
+                raise chunk
             yield chunk
 
 
@@ -345,6 +348,29 @@ def test_kvpush_answer_ended_by_prefills_token_closes_decode_and_abandons():
         assert b'"finish_reason":"stop"' in out[0] and out[0].endswith(b"data: [DONE]\n\n")
         assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
         assert answer.trace.status == "ok"
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_kvpush_decode_failure_after_prefills_token_ends_the_stream_with_an_error():
+    async def go():
+        dispatcher, pool, legs, abandoner = make(connector="kvpush")
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        legs.prefills[0].set_result(PREFILL_ANSWER % b"length")
+        answer = await task
+        legs.decodes[0].answer(decode_chunk("A"), aiohttp.ClientPayloadError("reset"))
+        out: list[bytes] = []
+
+        async def write(b: bytes) -> None:
+            out.append(b)
+
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        text = b"".join(out)
+        assert text.startswith(answer.first) and b'"UpstreamError"' in text  # never silent
+        assert text.endswith(b"data: [DONE]\n\n")
+        assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
         await until(lambda: idle(pool))
 
     asyncio.run(go())
