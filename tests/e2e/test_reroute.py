@@ -7,7 +7,10 @@ engines with slow chunked prefill (64 tokens a step), so requests queue there, a
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import time
 from dataclasses import replace
 
 import pytest
@@ -16,7 +19,7 @@ from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from tests.e2e.client import body, metric_samples, plain, post, session, text_of, wait_idle
 from tests.e2e.conftest import free_port, pair_specs, start
-from tests.servers import run_server
+from tests.servers import metric_samples, run_server
 
 pytestmark = pytest.mark.e2e
 NUM_REQUESTS = 6
@@ -55,8 +58,10 @@ def kill_while_waiting(victim, prefills, decode, mono_url: str, seed: int) -> di
     async def go(url: str):
         async with session() as c:
             wants = [text_of(await plain(c, mono_url, p, 8)) for p in ps]
+            done = metric_samples(victim.spec.url).get("vllm:request_success_total", 0)
             tasks = [asyncio.ensure_future(post(c, url, body(p, 8, stream=True))) for p in ps]
-            await asyncio.sleep(0.3)  # every request is in the proxy, prefill has started
+            await asyncio.to_thread(freeze_once_prefilling, victim, done)
+            await asyncio.sleep(0.3)  # every request is in the proxy
             await asyncio.to_thread(victim.kill)
             gots = [text_of(r) for r in await asyncio.gather(*tasks)]
         return wants, gots
@@ -67,6 +72,22 @@ def kill_while_waiting(victim, prefills, decode, mono_url: str, seed: int) -> di
     assert gots == wants
     wait_idle(decode.spec.url, timeout_s=15)
     return metrics
+
+
+def freeze_once_prefilling(victim, done: float, timeout_s: float = 30) -> None:
+    """SIGSTOP `victim` once it is running one of the requests and has answered none (`done`:
+    its finished requests before). A stopped engine answers nothing more, so no request is
+    killed between prefill's answer and its KV's WRITE: decode would fail that one, after
+    the client had prefill's first token (docs/architecture.md, the proxy's re-sends)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = metric_samples(victim.spec.url)
+        if samples.get("vllm:num_requests_running", 0) >= 1:
+            break
+        assert time.monotonic() < deadline, f"no request ran on {victim.spec.url}"
+        time.sleep(0.005)
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    assert samples.get("vllm:request_success_total", 0) == done, "prefill answered too soon"
 
 
 def test_only_prefill_killed_decode_computes_every_waiting_request(trio, mono_url):
