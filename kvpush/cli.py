@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--results-dir", default="results/bench")
     bserve.add_argument("--model", help="default: the embedded tiny model")
     bserve.add_argument("--url", help="use this running endpoint (one connector) instead")
+    bserve.add_argument(
+        "--vllm-arg", action="append", default=[], help="an argument for every engine started"
+    )
+    bserve.add_argument(
+        "--pin-cores", action="store_true", help="each engine's whole process tree on its cores"
+    )
     bserve.set_defaults(func=_bench_serve)
 
     plot = sub.add_parser("plot", help="figures and summary.md from bench serve results")

@@ -50,6 +50,7 @@ def sweep(
     num_prompts: int,
     results_dir: Path,
     model: str = "tiny",
+    engines: dict | None = None,
 ) -> list[Path]:
     written = []
     # Warm-up, not recorded: the first requests of each length pay one-time compilation.
@@ -81,6 +82,7 @@ def sweep(
                         "iteration": it,
                         "num_prompts": num_prompts,
                         "url": url,
+                        "engines": engines,  # how the stack's engines were started (None: --url)
                         "hardware": hardware(),
                         "created_unix_s": int(time.time()),
                     }
@@ -128,15 +130,15 @@ async def proxy_phases(url: str, num_requests: int) -> dict | None:
     return out
 
 
-def mode_stack(mode: str, model: str, log_dir: Path) -> object:
+def mode_stack(mode: str, model: str, log_dir: Path, **engine_kw: object) -> object:
     """1 prefill + 1 decode behind the proxy, or one plain engine for `mono`."""
     from kvpush.launch.engine import EngineSpec
     from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
 
     if mode == "mono":
-        spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono")
+        spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
         return Stack([spec], mode, PROXY_PORT, log_dir, with_proxy=False)
-    return Stack(stack_specs(model, mode, 1, 1), mode, PROXY_PORT, log_dir)
+    return Stack(stack_specs(model, mode, 1, 1, **engine_kw), mode, PROXY_PORT, log_dir)
 
 
 def main(args: object) -> int:
@@ -161,12 +163,14 @@ def main(args: object) -> int:
         sweep(modes[0], args.url, results_dir=results_dir, **grid)
         return 0
     model = args.model or str(tinymodel.ensure())
+    engine_kw = {"extra_args": tuple(args.vllm_arg), "pin_cores": args.pin_cores}
     for mode in modes:
-        print(f"kvpush bench serve: bringing up {mode}", flush=True)
-        stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs")
+        print(f"kvpush bench serve: bringing up {mode} {engine_kw}", flush=True)
+        stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", **engine_kw)
         stack.start()
         try:
-            sweep(mode, stack.url, results_dir=results_dir, **grid)
+            engines = engine_kw | {"extra_args": list(args.vllm_arg)}
+            sweep(mode, stack.url, results_dir=results_dir, engines=engines, **grid)
         finally:
             stack.stop()
     print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
