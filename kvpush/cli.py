@@ -78,7 +78,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from kvpush.launch import stack
 
-    return stack.up(args.model, args.connector, args.prefill, args.decode, args.port, args.detach)
+    return stack.up(
+        args.model,
+        args.connector,
+        args.prefill,
+        args.decode,
+        args.port,
+        args.detach,
+        pin_cores=args.pin_cores,
+    )
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -91,6 +99,15 @@ def _demo(args: argparse.Namespace) -> int:
     from kvpush.launch import demo
 
     return demo.main()
+
+
+def pin_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pin-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: each engine's whole process tree on its cores, not only its OpenMP threads",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,9 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     bttft.add_argument(
         "--connector-extra", default="{}", help="JSON merged into kvpush's extra config"
     )
-    bttft.add_argument(
-        "--pin-cores", action="store_true", help="each engine's whole process tree on its cores"
-    )
+    pin_flag(bttft)
     bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
     bserve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,mono")
@@ -159,9 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument(
         "--vllm-arg", action="append", default=[], help="an argument for every engine started"
     )
-    bserve.add_argument(
-        "--pin-cores", action="store_true", help="each engine's whole process tree on its cores"
-    )
+    pin_flag(bserve)
     bserve.set_defaults(func=_bench_serve)
 
     plot = sub.add_parser("plot", help="figures and summary.md from bench serve results")
@@ -195,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: on, except on decode engines",
     )
     serve.add_argument("--describe-to", help="write the engine's description JSON here")
+    pin_flag(serve)
     serve.add_argument("vllm_args", nargs="*", help="after --: extra vLLM arguments")
     serve.set_defaults(func=_serve)
 
@@ -205,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode engines (ports 8200...)")
     up.add_argument("--port", type=int, default=8000, help="the proxy's port")
     up.add_argument("--detach", action="store_true", help="return once ready; `kvpush down`")
+    pin_flag(up)
     up.set_defaults(func=_up)
 
     down = sub.add_parser("down", help="stop a stack started with `kvpush up --detach`")

@@ -77,7 +77,7 @@ def main(
     prompt_tokens: int = 300,
     output_tokens: int = 64,
     vllm_args: tuple[str, ...] = (),
-    pin_cores: bool = False,
+    pin_cores: bool = True,
     connector_extra: dict | None = None,
 ) -> int:
     from kvpush.bench.serve import hardware

@@ -53,8 +53,10 @@ class EngineSpec:
     kv_load_failure_policy: str | None = None  # vLLM's: "fail" (its default) or "recompute"
     extra_args: tuple[str, ...] = ()
     # On CPU: run the whole engine (API server, engine core, workers) on its bound cores, not
-    # only its OpenMP threads, so one engine's busy loop cannot take the other's core.
-    pin_cores: bool = False
+    # only its OpenMP threads, so one engine's busy loop cannot take the other's core. Without
+    # it a 1P1D stack on 2 cores fails requests at 1 QPS of 2k-token prompts
+    # (docs/benchmarks.md, capacity).
+    pin_cores: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -128,7 +130,11 @@ class EngineSpec:
             cmd += ["--middleware", "kvpush.vllm.validate.ValidateMiddleware"]
         if self.connector == "kvpush" and self.role == "decode":
             cmd += ["--logits-processors", FIRST_TOKEN_PROCESSOR]
-        cmd += list(self.extra_args)
+        if self.on_cpu and self.tp_size == 1:
+            # the worker inside the engine core: no shared-memory ring whose reader spins after
+            # every step (docs/benchmarks.md, capacity); --vllm-arg can choose another
+            cmd += ["--distributed-executor-backend", "uni"]
+        cmd += list(self.extra_args)  # last: vLLM takes the last of a repeated flag
         if self.pin_cores and self.on_cpu:
             cmd = ["taskset", "-c", self.cpu_cores, *cmd]
         return cmd

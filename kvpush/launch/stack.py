@@ -164,6 +164,7 @@ def up(
     num_decode: int,
     proxy_port: int,
     detach: bool,
+    pin_cores: bool = True,
 ) -> int:
     from kvpush.launch import tinymodel
 
@@ -174,7 +175,7 @@ def up(
             return 1
         state_file().unlink()  # left by a stack that died without cleaning up
     model = model or str(tinymodel.ensure())
-    specs = stack_specs(model, connector, num_prefill, num_decode)
+    specs = stack_specs(model, connector, num_prefill, num_decode, pin_cores=pin_cores)
     log_dir = SETTINGS.cache_dir / "logs"
     print(
         f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",
@@ -236,6 +237,7 @@ def spec_from_args(args: object) -> EngineSpec:
         kv_cache_gib=args.kv_cache_gib,
         cpu_bind=args.cpu_bind or "",
         extra_args=tuple(args.vllm_args),
+        pin_cores=args.pin_cores,
     )
     if args.prefix_caching is not None:
         spec = replace(spec, prefix_caching=args.prefix_caching)

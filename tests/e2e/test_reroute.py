@@ -19,7 +19,7 @@ from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from tests.e2e.client import body, metric_samples, plain, post, session, text_of, wait_idle
 from tests.e2e.conftest import free_port, pair_specs, start
-from tests.servers import metric_samples, run_server
+from tests.servers import run_server
 
 pytestmark = pytest.mark.e2e
 NUM_REQUESTS = 6
