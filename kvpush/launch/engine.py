@@ -130,11 +130,7 @@ class EngineSpec:
             cmd += ["--middleware", "kvpush.vllm.validate.ValidateMiddleware"]
         if self.connector == "kvpush" and self.role == "decode":
             cmd += ["--logits-processors", FIRST_TOKEN_PROCESSOR]
-        if self.on_cpu and self.tp_size == 1:
-            # the worker inside the engine core: no shared-memory ring whose reader spins after
-            # every step (docs/benchmarks.md, capacity); --vllm-arg can choose another
-            cmd += ["--distributed-executor-backend", "uni"]
-        cmd += list(self.extra_args)  # last: vLLM takes the last of a repeated flag
+        cmd += list(self.extra_args)
         if self.pin_cores and self.on_cpu:
             cmd = ["taskset", "-c", self.cpu_cores, *cmd]
         return cmd
