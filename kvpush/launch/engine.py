@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
 ROLES = ("prefill", "decode", "mono")
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -203,22 +205,12 @@ def wait_http(
 def group_alive(pgid: int) -> bool:
     """Whether any process of the group still runs. Zombies do not count: a process killed a
     moment ago stays signalable until its new parent reaps it."""
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except FileNotFoundError:  # no procfs: ask the kernel, zombies included
+    for proc in psutil.process_iter(["status"]):
         try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                return True
+        except (ProcessLookupError, psutil.Error):
             continue  # gone meanwhile
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
     return False
 
 
@@ -270,20 +262,10 @@ class Engine:
         return data[-num_bytes:].decode(errors="replace")
 
     def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        # Workers vLLM forked may outlive the API server: end the whole group, and return
-        # only once it is gone (its ports and memory free).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        wait_group_gone(self.proc.pid, 10)
+        # The whole group: workers vLLM forked may outlive the API server. Returns once it
+        # is gone (its ports and memory free).
+        stop_group(self.proc.pid, timeout_s)
+        self.proc.wait()
         self._log.close()
 
     def kill(self) -> None:
