@@ -25,6 +25,9 @@ class ConnectorConfig:
     # the GIL while vLLM's worker spin-waits for its next step (Python's default is 5 ms;
     # 0.2 ms measured in docs/benchmarks.md, "The push tail")
     gil_switch_interval_s: float = DEFAULT_GIL_SWITCH_INTERVAL_S
+    # tests only: a request's kv_transfer_params may name a connector hook to raise in
+    # ("kvpush_debug_fault"; kvpush.vllm.scheduler.PushScheduler.inject)
+    debug_faults: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -71,6 +74,7 @@ class ConnectorConfig:
             "heartbeat_s",
             "debug_checksum",
             "gil_switch_interval_s",
+            "debug_faults",
         }
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -89,6 +93,7 @@ class ConnectorConfig:
             dead_after_s=float(extra.get("dead_after_s", 5.0)),
             heartbeat_s=float(extra.get("heartbeat_s", 1.0)),
             debug_checksum=bool(extra.get("debug_checksum", False)),
+            debug_faults=bool(extra.get("debug_faults", False)),
             gil_switch_interval_s=_positive(
                 extra, "gil_switch_interval_s", DEFAULT_GIL_SWITCH_INTERVAL_S
             ),

@@ -1,7 +1,8 @@
 """KVPushConnector: vLLM's KV-connector API, delegating to the scheduler and worker halves.
 
-No hook raises into the engine (an exception there kills it): a failure is logged and the
-request concerned fails on its own.
+No hook raises into the engine (an exception there kills it): a failure is logged, and the
+scheduler half's `*_failed` / `settle_output` methods leave a bounded state: the request
+concerned fails on its own, prefill is told at once, and no block stays held.
 """
 
 from __future__ import annotations
@@ -95,36 +96,58 @@ class KVPushConnector(KVConnectorBase_V1):
             self._worker.close()
 
     # -- scheduler side -------------------------------------------------------------------
+    # Each hook's failure leaves a bounded state (docs/architecture.md, "When a connector hook
+    # fails"): the request fails alone or goes on, prefill is told at once, nothing is held.
+    def _inject(self, hook: str, request: Any = None, output: Any = None) -> None:
+        assert self._scheduler is not None
+        self._scheduler.inject(hook, request, output)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         assert self._scheduler is not None
         try:
+            self._inject("get_num_new_matched_tokens", request)
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        except Exception:
+        except Exception as e:
             log.exception("kvpush: request %s: matching failed", request.request_id)
-            return 0, False
+            return self._scheduler.match_failed(request, num_computed_tokens, e)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         assert self._scheduler is not None
         try:
+            self._inject("update_state_after_alloc", request)
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-        except Exception:
+        except Exception as e:
             log.exception("kvpush: request %s: registration failed", request.request_id)
+            if num_external_tokens > 0:  # claimed as a load: fail it, do not leave it waiting
+                self._scheduler.alloc_failed(request, e)
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        try:
+            self._inject("build_connector_meta")
+            return self._scheduler.build_connector_meta(scheduler_output)
+        except Exception:
+            # the actions stay queued and go with the next step (has_pending_push_work)
+            log.exception("kvpush: building this step's connector metadata failed")
+            return PushMetadata()
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        try:
+            self._inject("update_connector_output", output=connector_output)
+            self._scheduler.update_connector_output(connector_output)
+        except Exception:
+            log.exception("kvpush: reading the workers' output failed; settling what finished")
+            self._scheduler.settle_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]):
         assert self._scheduler is not None
         try:
+            self._inject("request_finished", request)
             return self._scheduler.request_finished(request, block_ids)
-        except Exception:
+        except Exception as e:
             log.exception("kvpush: request %s: finish handling failed", request.request_id)
-            return False, None
+            return self._scheduler.finish_failed(request, e)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()

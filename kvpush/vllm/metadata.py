@@ -53,10 +53,12 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Refuse:
-    """Decode: the request's params are bad; fail it alone, as a load failure."""
+    """Decode: fail the request alone, as a load failure: its params are bad (cause
+    "refused") or a connector hook raised for it ("hook")."""
 
     req_id: str
     reason: str
+    cause: str = "refused"
 
 
 Action = Push | Abort | Expect | Cancel | Refuse

@@ -19,6 +19,15 @@ from kvpush.vllm.params import ParamsError, parse
 log = logging.getLogger(__name__)
 
 _FINISHED_OK = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+STEP_HOOKS = ("build_connector_meta", "update_connector_output")  # hooks without a request
+
+
+def _params_or_none(request: Any):
+    """The request's params, or None when there are none or they do not parse."""
+    try:
+        return parse(request.kv_transfer_params)
+    except ParamsError:
+        return None
 
 
 class PushScheduler:
@@ -29,9 +38,11 @@ class PushScheduler:
         self._sending: set[str] = set()  # prefill: pushes the workers have not finished
         self._loading: dict[str, m.Expect | None] = {}  # decode: waiting for finished_recving
         self._loaded: set[str] = set()  # decode: KV arrived; the request decodes
-        self._refused: dict[str, str] = {}  # decode: bad params, failed as a load failure
+        self._refused: dict[str, tuple[str, str]] = {}  # decode: (reason, cause) of a request
+        # that fails as a load failure: bad params ("refused") or a failed hook ("hook")
         self._abandoned: set[str] = set()  # decode: finished while loading; a cancel is out
         self._settling = 0  # workers' aborts and cancels not acted on yet
+        self._step_faults: set[str] = set()  # debug_faults: step hooks to raise in once
 
     # -- decode ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -51,7 +62,7 @@ class PushScheduler:
                 tid = (request.kv_transfer_params or {}).get("transfer_id") if isinstance(
                     request.kv_transfer_params, dict) else None  # fmt: skip
                 log.warning("kvpush: request %s (transfer_id %s) refused: %s", rid, tid, e)
-                self._refused[rid] = str(e)
+                self._refused[rid] = (str(e), "refused")
             return need, True
         if params is None:
             return 0, False
@@ -65,7 +76,7 @@ class PushScheduler:
         if num_external == 0 or rid in self._loading:
             return
         if rid in self._refused:
-            self._actions.append(m.Refuse(rid, self._refused.pop(rid)))
+            self._actions.append(m.Refuse(rid, *self._refused.pop(rid)))
             self._loading[rid] = None
             return
         params = parse(request.kv_transfer_params)
@@ -92,13 +103,18 @@ class PushScheduler:
         stats = getattr(output, "kv_connector_stats", None)
         if stats is not None and isinstance(getattr(stats, "data", None), dict):
             self._settling = int(stats.data.get("settling", 0) or 0)
-        for rid in output.finished_recving or ():
+        self.settle_output(output)
+
+    def settle_output(self, output: Any) -> None:
+        """The requests the workers finished: all `update_connector_output` must not miss,
+        also when reading the rest of the output failed."""
+        for rid in getattr(output, "finished_recving", None) or ():
             expect = self._loading.pop(rid, None)
             if rid in self._abandoned:
                 self._abandoned.discard(rid)
             elif expect is not None:
                 self._loaded.add(rid)
-        for rid in output.finished_sending or ():
+        for rid in getattr(output, "finished_sending", None) or ():
             self._sending.discard(rid)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -108,11 +124,7 @@ class PushScheduler:
         self._refused.pop(rid, None)
         loaded = rid in self._loaded
         self._loaded.discard(rid)
-        if rid in self._loading:
-            expect = self._loading[rid]
-            if expect is not None:  # aborted while waiting: quarantine until prefill acks
-                self._actions.append(m.Cancel(rid, expect.key, expect.prefill))
-            self._abandoned.add(rid)
+        if self._abandon_load(rid):
             return False, None  # vLLM holds the blocks until we report finished_recving
         if request.status == RequestStatus.FINISHED_ABORTED and not loaded:
             try:
@@ -122,6 +134,102 @@ class PushScheduler:
             if params is not None and params.prefill is not None:  # aborted before blocks
                 self._actions.append(m.Cancel(None, params.key(rid), params.prefill))
         return False, None
+
+    def _abandon_load(self, rid: str) -> bool:
+        """Whether `rid` still waits for its load; if so, cancel it (once)."""
+        if rid not in self._loading:
+            return False
+        expect = self._loading[rid]
+        if expect is not None and rid not in self._abandoned:  # quarantined until prefill acks
+            self._actions.append(m.Cancel(rid, expect.key, expect.prefill))
+        self._abandoned.add(rid)
+        return True
+
+    # -- when a hook raised (kvpush.vllm.connector) ----------------------------------------
+    def match_failed(self, request: Any, num_computed: int, error: Exception) -> tuple[int, bool]:
+        """`get_num_new_matched_tokens` raised. A request that is no load computes as any
+        other. A load fails as a load failure, and prefill is told to free its blocks now:
+        computing it here instead would sample a first token of decode's own, while the
+        client may hold prefill's already."""
+        rid = request.request_id
+        params = _params_or_none(request)
+        if self.config.is_prefill or params is None or params.leg != "decode":
+            return 0, False
+        if rid in self._loading or rid in self._loaded:
+            return 0, False  # claimed before: that load goes on
+        if rid not in self._refused:
+            key = params.key(rid)
+            log.warning(
+                "kvpush: request %s (transfer_id %s) fails: matching it raised %r; prefill is "
+                "told to free its blocks",
+                rid,
+                key.transfer_id,
+                error,
+            )
+            self._refused[rid] = (f"matching failed: {error!r}", "hook")
+            self._actions.append(m.Cancel(None, key, params.prefill))
+        return request.num_prompt_tokens - num_computed, True
+
+    def alloc_failed(self, request: Any, error: Exception) -> None:
+        """`update_state_after_alloc` raised after the request was claimed as a load: fail it
+        as a load failure (its blocks are freed) instead of waiting for WRITEs that nothing
+        asked for, and tell prefill."""
+        rid = request.request_id
+        if isinstance(self._loading.get(rid), m.Expect):
+            return  # registered before it raised: that load goes on
+        self._refused.pop(rid, None)
+        self._actions.append(m.Refuse(rid, f"registration failed: {error!r}", "hook"))
+        self._loading[rid] = None
+        params = _params_or_none(request)
+        key = params.key(rid) if params is not None and params.leg == "decode" else None
+        if key is not None:
+            self._actions.append(m.Cancel(None, key, params.prefill))
+        log.warning(
+            "kvpush: request %s (transfer_id %s) fails: registering it raised %r; prefill is "
+            "told to free its blocks",
+            rid,
+            key.transfer_id if key is not None else "-",
+            error,
+        )
+
+    def finish_failed(self, request: Any, error: Exception) -> tuple[bool, dict | None]:
+        """`request_finished` raised. Prefill: a push already queued keeps its blocks until
+        it is written; else decode is told (Abort) and vLLM frees them. Decode: a pending
+        load is cancelled, as for any request that ends while loading."""
+        rid = request.request_id
+        params = _params_or_none(request)
+        if self.config.is_prefill:
+            if rid in self._sending:
+                return True, None
+            if params is not None and params.leg == "prefill":
+                reason = f"prefill's request_finished failed: {error!r}"
+                self._actions.append(m.Abort(params.key(rid), reason))
+            return False, None
+        self._refused.pop(rid, None)
+        self._loaded.discard(rid)
+        self._abandon_load(rid)
+        return False, None
+
+    def inject(self, hook: str, request: Any = None, output: Any = None) -> None:
+        """debug_faults (tests only): raise in `hook` for a request whose kv_transfer_params
+        name it as `kvpush_debug_fault`. The two step hooks, which see no request, raise
+        once, in the first step after such a request was allocated (decode) or finished
+        (prefill); `update_connector_output` in the first that finished a transfer."""
+        if not self.config.debug_faults:
+            return
+        if request is None:
+            finished = output is None or output.finished_sending or output.finished_recving
+            if hook in self._step_faults and finished:
+                self._step_faults.discard(hook)
+                raise RuntimeError(f"kvpush debug fault in {hook}")
+            return
+        params = request.kv_transfer_params
+        fault = params.get("kvpush_debug_fault") if isinstance(params, dict) else None
+        if fault == hook:
+            raise RuntimeError(f"kvpush debug fault in {hook} for {request.request_id}")
+        arm_at = "request_finished" if self.config.is_prefill else "update_state_after_alloc"
+        if fault in STEP_HOOKS and hook == arm_at:
+            self._step_faults.add(fault)
 
     # -- prefill --------------------------------------------------------------------------
     def _prefill_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:

@@ -28,11 +28,17 @@ PHASE_NAMES = (
     "handover", "pair_and_post", "write", "release", "register", "wait_writes", "report"
 )  # fmt: skip
 PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
-CAUSES = ("lease", "dead", "restarted", "cancelled", "handshake", "write", "checksum", "other")
+# Why transfers failed (kvpush:failures{cause}). The first seven are read from the endpoint's
+# reason; "refused" (bad kv_transfer_params) and "hook" (a connector hook raised for the
+# request) are given by the connector where it fails the request.
+CAUSES = (
+    "lease", "dead", "restarted", "cancelled", "handshake", "write", "checksum",
+    "refused", "hook", "other",
+)  # fmt: skip
 
 
 def failure_cause(reason: str) -> str:
-    for cause in CAUSES[:-1]:
+    for cause in CAUSES[:7]:
         if cause in reason.lower():
             return cause
     return "refused" if "refus" in reason else "other"
@@ -69,6 +75,7 @@ class KVPushStats(KVConnectorStats):
         num_descs: int,
         elapsed_s: float,
         phases_s: dict[str, float] | None = None,
+        cause: str | None = None,
     ) -> None:
         for name, seconds in (phases_s or {}).items():
             self.data["phases_s"].setdefault(name, []).append(seconds)
@@ -78,7 +85,7 @@ class KVPushStats(KVConnectorStats):
             self.data["num_descs"] += num_descs
             self.data["elapsed_s"].append(elapsed_s)
         else:
-            cause = failure_cause(reason)
+            cause = cause or failure_cause(reason)
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
 
     def aggregate(self, other: KVConnectorStats) -> KVPushStats:
@@ -140,7 +147,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "cause"],
         )
         self.failures = {
-            idx: {c: failures.labels(*values, c) for c in (*CAUSES, "refused")}
+            idx: {c: failures.labels(*values, c) for c in CAUSES}
             for idx, values in per_engine_labelvalues.items()
         }
         phases = self._histogram_cls(
@@ -170,7 +177,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         self.num_bytes[engine_idx].inc(d.get("num_bytes", 0))
         self.num_descs[engine_idx].inc(d.get("num_descs", 0))
         for cause, n in d.get("failures", {}).items():
-            self.failures[engine_idx][cause].inc(n)
+            self.failures[engine_idx].get(cause, self.failures[engine_idx]["other"]).inc(n)
         for seconds in d.get("elapsed_s", []):
             self.seconds[engine_idx].observe(seconds)
         for name, values in d.get("phases_s", {}).items():

@@ -6,6 +6,7 @@ own thread, and results are collected from futures that are already done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -57,7 +58,8 @@ class PushWorker:
         self._timeline: dict[str, tuple[str, dict[str, float]]] = {}  # req_id -> transfer_id,
         # marks known before the endpoint's (Push.finished_s)
         self._cancelled: set[str] = set()
-        self._refused: set[str] = set()
+        self._refused: set[str] = set()  # decode: loads to report as failed
+        self._unsent: set[str] = set()  # prefill: pushes that could not start
         self._stats = KVPushStats()
         self._last_gauges: dict[str, int] = {}
         self._settling: list[Future] = []  # aborts and cancels not yet acted on
@@ -123,8 +125,13 @@ class PushWorker:
             except Exception as e:  # never raise into the engine: fail this request alone
                 log.warning("kvpush: %s failed: %s", action, e)
                 req_id = getattr(action, "req_id", None)
-                if req_id is not None:
+                if isinstance(action, m.Push):  # vLLM frees its blocks once it is "sent"
+                    self._unsent.add(action.req_id)
+                    with contextlib.suppress(Exception):  # decode fails it, not at its lease
+                        self._settling.append(self.endpoint.abort(action.key, str(e)))
+                elif req_id is not None:
                     self._refused.add(req_id)
+                self._stats.record(False, str(e), 0, 0, 0.0, cause="other")
 
     def _start(self, a: m.Action) -> None:
         ep = self.endpoint
@@ -146,12 +153,14 @@ class PushWorker:
                 self._cancelled.add(a.req_id)
         elif isinstance(a, m.Refuse):
             self._refused.add(a.req_id)
+            self._stats.record(False, a.reason, 0, 0, 0.0, cause=a.cause)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
-        sending: set[str] = set()
+        sending = set(self._unsent)
         recving, failed = set(self._refused), set(self._refused)
         self._refused.clear()
+        self._unsent.clear()
         for req_id, future in list(self._futures.items()):
             if not future.done():
                 continue

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 import urllib.request
 import uuid
@@ -30,6 +31,12 @@ class Pair:
     decode_url: str
     prefill_engine_id: str
     side_channel_port: int
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """A prompt of `n` random token ids (no special tokens), the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 4096) for _ in range(n)]
 
 
 def prefill_params(transfer_id: str) -> dict:
@@ -88,22 +95,25 @@ async def disagg(
     delay_prefill_s: float = 0.0,
     delay_decode_s: float = 0.0,
     transfer_id: str | None = None,
+    prefill_kv: dict | None = None,
+    decode_kv: dict | None = None,
     **kw,
 ) -> dict:
     """Both legs at once (one may be delayed to force an arrival order); decode's answer. As
-    the proxy does, a leg that fails cancels the other."""
+    the proxy does, a leg that fails cancels the other. `prefill_kv` / `decode_kv`: more
+    kv_transfer_params for that leg."""
     tid = transfer_id or uuid.uuid4().hex
 
     async def prefill_leg():
         await asyncio.sleep(delay_prefill_s)
-        b = body(prompt, 1, chat, kv_transfer_params=prefill_params(tid), **kw)
+        params = prefill_params(tid) | (prefill_kv or {})
+        b = body(prompt, 1, chat, kv_transfer_params=params, **kw)
         return await post(client, pair.prefill_url, b, chat)
 
     async def decode_leg():
         await asyncio.sleep(delay_decode_s)
-        b = body(
-            prompt, max_tokens, chat, stream, kv_transfer_params=decode_params(pair, tid), **kw
-        )
+        params = decode_params(pair, tid) | (decode_kv or {})
+        b = body(prompt, max_tokens, chat, stream, kv_transfer_params=params, **kw)
         return await post(client, pair.decode_url, b, chat)
 
     legs = [

@@ -3,12 +3,12 @@
 - `mono`: one plain engine, the reference output;
 - `pair`: a kvpush prefill engine (block size 32, prefix caching on) and a kvpush decode
   engine (block size 64, prefix caching on, so prefix hits on decode can be tested), both
-  with debug checksums: every transferred token is hashed on both sides.
+  with debug checksums (every transferred token is hashed on both sides) and debug faults (a
+  request can name a connector hook to raise in: tests/e2e/test_hook_faults.py).
 """
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,14 +16,9 @@ import pytest
 
 from kvpush.launch.engine import Engine, EngineSpec, group_alive
 from tests.e2e.client import Pair
+from tests.servers import free_port
 
 LOG_DIR = Path(__file__).resolve().parents[2] / "results" / "e2e-logs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _STARTED: list[Engine] = []  # every engine the tests started, checked at the session's end
@@ -55,7 +50,7 @@ def start(*specs: EngineSpec) -> list[Engine]:
 
 def pair_specs(model: str, prefill_bs: int, decode_bs: int, **extra) -> tuple[EngineSpec, ...]:
     side = free_port()
-    common = {"connector_extra": {"debug_checksum": True} | extra}
+    common = {"connector_extra": {"debug_checksum": True, "debug_faults": True} | extra}
     prefill = EngineSpec(
         "prefill",
         model,

@@ -1,0 +1,166 @@
+"""What the scheduler half leaves behind when a connector hook raises (kvpush.vllm.connector):
+the request fails alone or goes on, prefill is told at once, and no state stays held.
+
+No engine here: requests are namespaces with the attributes the scheduler reads, and vLLM's
+own RequestStatus. tests/e2e/test_hook_faults.py injects the same faults into real engines.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from kvpush.vllm import metadata as m
+from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.scheduler import PushScheduler
+from kvpush.vllm.worker import PushWorker
+
+DECODE_PARAMS = {
+    "do_remote_prefill": True,
+    "transfer_id": "t1",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "remote_engine_id": "p0",
+}
+
+
+def scheduler(prefill: bool = False, debug_faults: bool = False) -> PushScheduler:
+    config = ConnectorConfig(
+        "p0" if prefill else "d0", prefill, ("UCX",), "127.0.0.1", 5600, 30.0, 5.0, 1.0,
+        False, debug_faults=debug_faults,
+    )  # fmt: skip
+    return PushScheduler(config, SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=1)))  # fmt: skip
+
+
+def request(params=None, status=RequestStatus.WAITING, rid="r1", output=()):
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        num_prompt_tokens=100,
+        status=status,
+        output_token_ids=list(output),
+    )
+
+
+def blocks(*ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def output(recving=(), sending=()):
+    return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending))
+
+
+def actions(s: PushScheduler) -> list:
+    return s.build_connector_meta(None).actions
+
+
+def loading() -> PushScheduler:
+    """A decode scheduler whose request r1 registered and waits for its KV."""
+    s = scheduler()
+    r = request(DECODE_PARAMS)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, blocks(1, 2), 100)
+    assert [type(a) for a in actions(s)] == [m.Expect]
+    return s
+
+
+def assert_nothing_held(s: PushScheduler) -> None:
+    held = (s._loading, s._loaded, s._refused, s._abandoned, s._sending, s._actions)
+    assert not any(held), held
+    assert not s.has_pending_push_work()
+
+
+def test_failed_matching_fails_the_load_and_frees_prefill_at_once():
+    s, r = scheduler(), request(DECODE_PARAMS)
+    assert s.match_failed(r, 0, RuntimeError("boom")) == (100, True)
+    assert s.match_failed(r, 0, RuntimeError("boom")) == (100, True)  # vLLM asks again
+    (cancel,) = actions(s)  # one Cancel, not one per call
+    assert cancel == m.Cancel(None, cancel.key, cancel.prefill) and cancel.key.transfer_id == "t1"
+    s.update_state_after_alloc(r, blocks(1, 2), 100)
+    (refuse,) = actions(s)
+    assert refuse == m.Refuse("r1", "matching failed: RuntimeError('boom')", "hook")
+    s.update_connector_output(output(recving={"r1"}))  # the worker reports it failed
+    s.request_finished(request(DECODE_PARAMS, RequestStatus.FINISHED_ERROR), [1, 2])
+    assert_nothing_held(s)
+
+
+@pytest.mark.parametrize("params", [None, {"do_remote_prefill": "yes"}])
+def test_failed_matching_of_a_request_that_is_no_load_computes_it_locally(params):
+    s = scheduler()
+    assert s.match_failed(request(params), 0, RuntimeError("boom")) == (0, False)
+    assert_nothing_held(s)
+
+
+def test_failed_registration_of_a_claimed_load_fails_it_instead_of_waiting():
+    s, r = scheduler(), request(DECODE_PARAMS)
+    assert s.get_num_new_matched_tokens(r, 0) == (100, True)
+    s.alloc_failed(r, RuntimeError("boom"))
+    refuse, cancel = actions(s)
+    assert refuse == m.Refuse("r1", "registration failed: RuntimeError('boom')", "hook")
+    assert isinstance(cancel, m.Cancel) and cancel.req_id is None
+    s.update_connector_output(output(recving={"r1"}))
+    s.request_finished(request(DECODE_PARAMS, RequestStatus.FINISHED_ERROR), [1, 2])
+    assert_nothing_held(s)
+
+
+def test_a_registration_that_went_out_before_the_failure_goes_on():
+    s = loading()
+    s.alloc_failed(request(DECODE_PARAMS), RuntimeError("late"))
+    assert actions(s) == [] and s._loading
+
+
+def test_failed_finish_on_prefill_aborts_the_transfer_or_keeps_a_queued_push():
+    s = scheduler(prefill=True)
+    done = request({"do_remote_decode": True, "transfer_id": "t1"}, RequestStatus.FINISHED_STOPPED)
+    assert s.finish_failed(done, RuntimeError("boom")) == (False, None)  # vLLM frees the blocks
+    (abort,) = actions(s)
+    assert isinstance(abort, m.Abort) and abort.key.transfer_id == "t1"
+    assert "request_finished failed" in abort.reason
+    s.request_finished(request(done.kv_transfer_params, done.status, "r2", [7]), [3])
+    assert s.finish_failed(request(rid="r2"), RuntimeError("late")) == (True, None)  # queued
+    s.update_connector_output(output(sending={"r2"}))
+    actions(s)
+    assert_nothing_held(s)
+
+
+def test_failed_finish_on_decode_cancels_a_pending_load_once():
+    s = loading()
+    aborted = request(DECODE_PARAMS, RequestStatus.FINISHED_ABORTED)
+    assert s.finish_failed(aborted, RuntimeError("boom")) == (False, None)
+    assert s.finish_failed(aborted, RuntimeError("boom")) == (False, None)
+    (cancel,) = actions(s)
+    assert cancel.req_id == "r1"
+    s.update_connector_output(output(recving={"r1"}))  # prefill acked: vLLM frees the blocks
+    assert_nothing_held(s)
+
+
+def test_settling_an_output_whose_stats_cannot_be_read():
+    s = loading()
+    s.settle_output(output(recving={"r1"}))
+    assert s._loaded == {"r1"} and not s._loading
+    s.request_finished(request(DECODE_PARAMS, RequestStatus.FINISHED_STOPPED), [1, 2])
+    assert_nothing_held(s)
+
+
+def test_injected_faults_fire_only_with_debug_faults_and_step_faults_once():
+    r = request(DECODE_PARAMS | {"kvpush_debug_fault": "build_connector_meta"})
+    scheduler().inject("update_state_after_alloc", r)  # debug_faults off: nothing armed
+    s = scheduler(debug_faults=True)
+    s.inject("build_connector_meta")  # nothing armed yet
+    s.inject("update_state_after_alloc", r)
+    with pytest.raises(RuntimeError, match="debug fault in build_connector_meta"):
+        s.inject("build_connector_meta")
+    s.inject("build_connector_meta")  # once
+    r = request(DECODE_PARAMS | {"kvpush_debug_fault": "request_finished"})
+    with pytest.raises(RuntimeError, match="debug fault in request_finished for r1"):
+        s.inject("request_finished", r)
+
+
+def test_the_worker_counts_a_hook_failure_by_its_cause():
+    worker = PushWorker(scheduler().config, None)
+    worker.start([m.Refuse("r1", "registration failed", "hook"), m.Refuse("r2", "bad", "refused")])
+    assert worker.results() == (set(), {"r1", "r2"}, {"r1", "r2"})
+    assert worker.take_stats().data["failures"] == {"hook": 1, "refused": 1}
