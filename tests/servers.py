@@ -34,10 +34,25 @@ def metric_samples(url: str) -> dict[str, float]:
     return out
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
+    """A free local port, with `span` free ports from it up (prefill rank r listens on
+    base + r)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span < 65536 and all(_is_free(base + i) for i in range(1, span)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _is_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def open_connections(pid: int, ports: set[int]) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 import uuid
 from dataclasses import replace
@@ -26,6 +25,7 @@ from tests.e2e.client import (
     post,
     prefill_params,
     session,
+    tokens,
     wait_idle,
     wait_usage_zero,
 )
@@ -53,11 +53,6 @@ def fpair(victims):
     return as_pair(victims["prefill"], victims["decode"])
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(n)]
-
-
 def decode_leg(c, pair, tid, p, stream=True):
     b = body(p, 8, stream=stream, kv_transfer_params=decode_params(pair, tid))
     return post(c, pair.decode_url, b)
@@ -70,7 +65,7 @@ def prefill_leg(c, pair, tid, p):
 def test_decode_abort_while_waiting_then_late_prefill_frees_both_within_2s(fpair):
     async def go():
         async with session() as c:
-            tid, p = uuid.uuid4().hex, prompt(300, 1)
+            tid, p = uuid.uuid4().hex, tokens(300, 1)
             await abort_after(decode_leg(c, fpair, tid, p), 1.0)  # registered, then gone
             wait_usage_zero(fpair.decode_url, timeout_s=2)  # prefill acknowledged the cancel
             await prefill_leg(c, fpair, tid, p)  # prefill finishes after decode left
@@ -85,7 +80,7 @@ def test_decode_abort_at_any_moment_frees_both_within_2s(fpair, after_s):
 
     async def go():
         async with session() as c:
-            tid, p = uuid.uuid4().hex, prompt(1000, 2)
+            tid, p = uuid.uuid4().hex, tokens(1000, 2)
             legs = asyncio.gather(
                 prefill_leg(c, fpair, tid, p), abort_after(decode_leg(c, fpair, tid, p), after_s)
             )
@@ -100,7 +95,7 @@ def test_prefill_abort_fails_decode_within_1s(fpair):
         async with session() as c:
             # ~310 prefill steps of 64 tokens, a few seconds: at 3,000 tokens (47 steps, about
             # 0.3 s on an idle machine) prefill could finish before the abort landed.
-            tid, p = uuid.uuid4().hex, prompt(20000, 3)
+            tid, p = uuid.uuid4().hex, tokens(20000, 3)
             decode = asyncio.ensure_future(decode_leg(c, fpair, tid, p, stream=False))
             await asyncio.sleep(0.5)
             await abort_after(prefill_leg(c, fpair, tid, p), 0.3)
@@ -118,7 +113,7 @@ def test_prefill_abort_fails_decode_within_1s(fpair):
 def test_decode_that_never_registers_is_freed_by_the_lease(fpair):
     async def go():
         async with session() as c:
-            await prefill_leg(c, fpair, uuid.uuid4().hex, prompt(200, 4))
+            await prefill_leg(c, fpair, uuid.uuid4().hex, tokens(200, 4))
             return time.monotonic()
 
     done = asyncio.run(go())
@@ -161,7 +156,7 @@ def test_wrong_prefill_engine_id_fails_the_request_clearly(fpair):
     async def go():
         async with session() as c:
             params = decode_params(fpair, uuid.uuid4().hex) | {"remote_engine_id": "other"}
-            b = body(prompt(100, 5), 4, kv_transfer_params=params)
+            b = body(tokens(100, 5), 4, kv_transfer_params=params)
             async with c.post(fpair.decode_url + "/v1/completions", json=b) as r:
                 return r.status
 
@@ -174,7 +169,7 @@ def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(vic
 
     async def go():
         async with session() as c:
-            tid, p = uuid.uuid4().hex, prompt(200, 6)
+            tid, p = uuid.uuid4().hex, tokens(200, 6)
             decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
             await asyncio.sleep(1.0)  # registered with prefill, which never runs the leg
             victims["prefill"].kill()
@@ -192,7 +187,7 @@ def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(vic
 
     async def again():
         async with session() as c:
-            return await disagg(c, pair, prompt(100, 7), 8)
+            return await disagg(c, pair, tokens(100, 7), 8)
 
     assert asyncio.run(again())["choices"][0]["text"]
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=2)
@@ -203,7 +198,7 @@ def test_killed_decode_frees_prefill_blocks_within_10s(victims):
 
     async def go():
         async with session() as c:
-            tid, p = uuid.uuid4().hex, prompt(200, 8)
+            tid, p = uuid.uuid4().hex, tokens(200, 8)
             decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
             await asyncio.sleep(1.0)  # decode registered; prefill has not started
             victims["decode"].kill()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 
 import pytest
@@ -19,6 +18,7 @@ from tests.e2e.client import (
     post,
     prefill_params,
     session,
+    tokens,
     wait_idle,
 )
 from tests.servers import run_server
@@ -35,11 +35,6 @@ def proxy(engines):
     )
     with run_server(create_app(ProxyConfig(engines=infos))) as url:
         yield url
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(n)]
 
 
 async def stream(c, url: str, b: dict, chat: bool = False) -> list[dict]:

@@ -26,16 +26,12 @@ from tests.e2e.client import (
     reference_and_disagg,
     session,
     tcp_counters,
+    tokens,
     wait_idle,
 )
 from tests.servers import open_connections, run_server
 
 pytestmark = pytest.mark.e2e
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(n)]
 
 
 def count(path, needle: str) -> int:
@@ -150,12 +146,12 @@ def test_idle_engine_with_kvpush_costs_what_a_plain_engine_costs(engines, pair):
     assert used[kvpush] - used[mono] < 0.05, f"kvpush {used[kvpush]:.1%}, plain {used[mono]:.1%}"
 
 
-def test_cpu_is_idle_within_1s_of_the_last_transfer_and_bounded_while_a_lease_runs(
+def test_cpu_is_idle_within_1s_of_the_last_transfer_and_its_cost_while_a_lease_runs(
     engines, pair, capsys
 ):
     """Within 1 s of the last transfer the prefill engine is idle again. While prefill holds
     blocks nobody registered for (a lease), vLLM keeps its engine loop stepping; that cost is
-    measured here and printed for docs/benchmarks.md."""
+    measured here and printed for docs/benchmarks.md, not bounded: it is vLLM's loop."""
     import json
 
     from tests.e2e.client import decode_params, post_sync, prefill_params
@@ -191,4 +187,3 @@ def test_cpu_is_idle_within_1s_of_the_last_transfer_and_bounded_while_a_lease_ru
             )
         )
     assert after_transfer < 0.05
-    assert lease > 0  # reported, not bounded: see docs/benchmarks.md

@@ -6,12 +6,11 @@ decode continues from prefill's first token, which comes with the WRITE)."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 
-from tests.e2e.client import disagg, metric_samples, plain, session, text_of, wait_idle
+from tests.e2e.client import disagg, metric_samples, plain, session, text_of, tokens, wait_idle
 from tests.e2e.conftest import as_pair, pair_specs, start
 
 pytestmark = pytest.mark.e2e
@@ -23,11 +22,6 @@ def rpair(tiny_model):
     yield as_pair(*engines)
     for e in engines:
         e.stop()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(n)]
 
 
 def through(pair, mono_url, prompt) -> tuple[str, str, float]:

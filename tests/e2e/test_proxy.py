@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 import urllib.request
 from dataclasses import replace
@@ -24,6 +23,7 @@ from tests.e2e.client import (
     post,
     session,
     text_of,
+    tokens,
     wait_idle,
 )
 from tests.e2e.conftest import free_port, start
@@ -52,11 +52,6 @@ def proxy_url(engines):
 
 def transfers(url: str) -> float:
     return metric_samples(url)["kvpush:transfers_total"]
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(n)]
 
 
 def test_two_prefill_engines_each_request_decodes_right(proxy_url, mono_url):

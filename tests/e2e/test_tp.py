@@ -10,7 +10,6 @@ the prompt itself, and the answer is still the plain engine's."""
 from __future__ import annotations
 
 import asyncio
-import random
 import uuid
 
 import pytest
@@ -26,6 +25,7 @@ from tests.e2e.client import (
     post,
     reference_and_disagg,
     session,
+    tokens,
     wait_idle,
 )
 from tests.e2e.conftest import free_port, start
@@ -54,11 +54,6 @@ def tp2_pair(engines, tiny_model):
     prefill = engines["prefill"].spec
     yield Pair(prefill.url, decode.url, prefill.name, prefill.side_channel_port), engine
     engine.stop()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 4096) for _ in range(n)]
 
 
 def test_tp1_prefill_to_tp2_decode_matches_the_plain_engine(tp2_pair, mono_url):

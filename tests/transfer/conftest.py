@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import replace
 
@@ -10,29 +9,10 @@ from kvpush.transfer.endpoint import TransferConfig
 from kvpush.transfer.harness import LayoutSpec, Side
 from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.wire import Compat
+from tests.servers import free_port  # noqa: F401 - the transfer tests import it from here
 
 COMPAT = Compat(mode="push", model="tiny", dtype="float16", layout_kind="test")
 SPEC = LayoutSpec(num_blocks=64, block_size=16, num_heads=2, head_bytes=32)
-
-
-def free_port(span: int = 1) -> int:
-    """A base port with `span` free ports above it (prefill rank r listens on base + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span < 65536 and all(_is_free(base + i) for i in range(span)):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def prefill_config(port: int, **kw) -> TransferConfig:

@@ -3,6 +3,7 @@ processes, since most of them kill one."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -87,7 +88,8 @@ def test_killed_decode_frees_prefill_blocks_within_6s(sides):
     decode.kill()
     killed = time.monotonic()
     out = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=10)
-    assert not out.ok
+    # the WRITE fails on the wire, or the peer is declared dead first: which one is a race
+    assert not out.ok and re.search("dead|REMOTE_DISCONNECT", out.reason), out.reason
     assert time.monotonic() - killed < 6.0
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 0, 1, "registration dropped")
 
