@@ -64,7 +64,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from kvpush.bench import plot
 
-    return plot.main(Path(args.results_dir), args.metric, args.stat)
+    return plot.main(Path(args.results_dir), args.stat)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -170,7 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument("--num-prompts", type=int, default=16)
     bserve.add_argument("--results-dir", default="results/bench")
     bserve.add_argument("--model", help="default: the embedded tiny model")
-    bserve.add_argument("--url", help="use this running endpoint (one connector) instead")
+    bserve.add_argument(
+        "--url", help="benchmark this running endpoint (a stack started elsewhere) instead"
+    )
+    bserve.add_argument("--mode", help="with --url: the name its results are saved under")
+    bserve.add_argument(
+        "--tokenizer", help="for vllm bench serve's prompts (default: --model, or the tiny model)"
+    )
+    bserve.add_argument(
+        "--served-model-name", default="tiny", help="with --url: the model name it serves"
+    )
     bserve.add_argument(
         "--vllm-arg", action="append", default=[], help="an argument for every engine started"
     )
@@ -179,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plot = sub.add_parser("plot", help="figures and summary.md from bench serve results")
     plot.add_argument("results_dir")
-    plot.add_argument("--metric", choices=["ttft", "tpot", "itl", "e2el"], default="ttft")
-    plot.add_argument("--stat", choices=["mean", "median", "p99"], default="median")
+    plot.add_argument(
+        "--stat", choices=["mean", "median", "p99"], default="median", help="for summary.md"
+    )
     plot.set_defaults(func=_plot)
 
     serve = sub.add_parser("serve", help="start one vLLM engine with the right connector config")

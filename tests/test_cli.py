@@ -42,3 +42,24 @@ def test_unknown_subcommand_is_a_clear_error():
     )
     assert proc.returncode == 2
     assert "invalid choice: 'frobnicate'" in proc.stderr
+
+
+def test_bench_serve_refuses_bad_input_before_starting_anything(tmp_path):
+    """No stack is started and no results folder is made for a bad grid or a bare --url."""
+    cases = [
+        (["--qps", "1,fast"], "--qps must be comma-separated numbers, got '1,fast'"),
+        (["--input-lens", "0"], "--input-lens must be numbers > 0, got '0'"),
+        (["--url", "http://127.0.0.1:9"], "--url needs --mode NAME"),
+        (["--connectors", "kvpush,magic"], "unknown connectors ['magic']"),
+        (["--num-prompts", "0"], "--num-prompts and --iterations must be >= 1"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "results"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpush.cli", "bench", "serve", "--results-dir", str(out),
+             *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr, proc.stderr
+        assert not out.exists()

@@ -1,9 +1,15 @@
-"""`kvpush bench serve`: the QPS x input-length sweep, one JSON per grid point.
+"""`kvpush bench serve`: the QPS x input-length sweep, one `vllm bench serve` per grid point.
 
 For each connector it brings up a local stack (or uses --url), runs every grid point with
-the same QPS, input and output lists, and writes
-`<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the results folder. `mono` is one plain
-engine with no disaggregation: the reference for what disaggregation itself costs.
+the same QPS, input and output lists, and writes vLLM's result JSON as
+`<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the results folder, with kvpush's additions
+(mode, grid point, hardware, the engines' settings, the proxy's per-phase timeline and
+`decode_waiting_on_prefill`). `mono` is one plain engine with no disaggregation: the reference
+for what disaggregation itself costs.
+
+The grid is a loop here, not `vllm bench sweep serve`: that tool starts one server command
+per combination and names its results its own way, while a kvpush stack is several
+processes, and each point also needs the proxy's /metrics and /timelines read around it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpush.bench.load import run_load
+from kvpush.bench import vllm_bench
 
 ALL_MODES = ("kvpush", "nixl-push", "nixl-pull", "mono")
 # The default grid finishes in under 15 minutes on a 2-core host and still shows load build.
@@ -49,57 +55,54 @@ def sweep(
     iterations: int,
     num_prompts: int,
     results_dir: Path,
-    model: str = "tiny",
+    tokenizer: str,
+    model_name: str = "tiny",
     engines: dict | None = None,
 ) -> list[Path]:
+    """A warm-up per input length, then every grid point, each one `vllm bench serve`; one
+    line per point as it finishes."""
     written = []
-    # Warm-up, not recorded: the first requests of each length pay one-time compilation.
     for n_in in input_lens:
-        asyncio.run(run_load(url, model, 2.0, n_in, output_lens[0], 3, seed=7))
+        vllm_bench.warm_up(url, tokenizer, model_name, n_in, output_lens[0])
     for it in range(iterations):
         for q in qps_list:
             for n_in in input_lens:
                 for n_out in output_lens:
                     label = f"{mode} qps={q:g} in={n_in} out={n_out} iter={it}"
-                    summary = asyncio.run(
-                        run_load(
-                            url,
-                            model,
-                            q,
-                            n_in,
-                            n_out,
-                            num_prompts,
-                            seed=hash((it, q, n_in, n_out)) % 2**31,  # distinct per point
-                            progress=label,
-                        )
-                    )
-                    summary["proxy_phases_ms"] = asyncio.run(proxy_phases(url, num_prompts))
-                    summary |= {
+                    print(f"  {label}: vllm bench serve ...", flush=True)
+                    seed = hash((it, q, n_in, n_out)) % 2**31  # distinct prompts per point
+                    load = vllm_bench.Load(q, n_in, n_out, num_prompts, seed=seed)
+                    path = results_dir / result_name(mode, q, n_in, n_out, it)
+                    result = vllm_bench.run(url, tokenizer, model_name, load, path, quiet=True)
+                    result |= {
                         "mode": mode,
                         "qps": q,
                         "input_len": n_in,
                         "output_len": n_out,
                         "iteration": it,
-                        "num_prompts": num_prompts,
                         "url": url,
                         "engines": engines,  # how the stack's engines were started (None: --url)
                         "hardware": hardware(),
                         "created_unix_s": int(time.time()),
+                        "proxy_phases_ms": asyncio.run(proxy_phases(url, num_prompts)),
+                        # vLLM counts a stream that ends in an error event as completed; with
+                        # EOS ignored, a short answer is how such a stream shows
+                        "short_outputs": sum(n < n_out for n in result.get("output_lens", [])),
                     }
-                    path = results_dir / result_name(mode, q, n_in, n_out, it)
-                    path.write_text(json.dumps(summary, indent=1))
+                    path.write_text(json.dumps(result, indent=1))
                     written.append(path)
-                    waiting = summary["decode_waiting_on_prefill"]
-                    waited = (
-                        f", decode waiting on prefill max {waiting['max']:g}" if waiting else ""
-                    )
-                    print(
-                        f"  {label}: ttft median {summary['median_ttft_ms']:.0f} ms, tpot "
-                        f"median {summary['median_tpot_ms']:.1f} ms, "
-                        f"{summary['failed']} failed{waited}",
-                        flush=True,
-                    )
+                    print(f"  {label}: {point_line(result)}", flush=True)
     return written
+
+
+def point_line(r: dict) -> str:
+    waiting = r.get("decode_waiting_on_prefill")
+    waited = f", decode waiting on prefill max {waiting['max']:g}" if waiting else ""
+    return (
+        f"ttft median {r['median_ttft_ms']:.0f} ms, tpot median {r['median_tpot_ms']:.1f} ms, "
+        f"itl median {r['median_itl_ms']:.1f} ms, {r['failed']} failed, "
+        f"{r.get('short_outputs', 0)} short{waited}"
+    )
 
 
 async def proxy_phases(url: str, num_requests: int) -> dict | None:
@@ -141,27 +144,53 @@ def mode_stack(mode: str, model: str, log_dir: Path, **engine_kw: object) -> obj
     return Stack(stack_specs(model, mode, 1, 1, **engine_kw), mode, PROXY_PORT, log_dir)
 
 
+def _numbers(text: str, kind: type, flag: str) -> list:
+    """A comma-separated list of positive numbers; ValueError naming the flag."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} must be numbers > 0, got {text!r}")
+    return values
+
+
 def main(args: object) -> int:
     from kvpush.launch import tinymodel
     from kvpush.settings import SETTINGS
 
+    try:
+        grid = dict(
+            qps_list=_numbers(args.qps, float, "--qps"),
+            input_lens=_numbers(args.input_lens, int, "--input-lens"),
+            output_lens=_numbers(args.output_lens, int, "--output-lens"),
+            iterations=args.iterations,
+            num_prompts=args.num_prompts,
+        )
+        if args.num_prompts < 1 or args.iterations < 1:
+            raise ValueError("--num-prompts and --iterations must be >= 1")
+    except ValueError as e:
+        print(f"kvpush bench serve: {e}", file=sys.stderr)
+        return 2
     results_dir = Path(args.results_dir)
-    results_dir.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        if not args.mode:
+            print("kvpush bench serve: --url needs --mode NAME (the results' name for it)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        results_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer = args.tokenizer or args.model or str(tinymodel.ensure())
+        sweep(args.mode, args.url.rstrip("/"), results_dir=results_dir, tokenizer=tokenizer,
+              model_name=args.served_model_name, **grid)  # fmt: skip
+        print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
+        return 0
     modes = [m.strip() for m in args.connectors.split(",")]
     bad = [m for m in modes if m not in ALL_MODES]
     if bad:
-        print(f"unknown connectors {bad}; choose from {ALL_MODES}")
+        print(f"kvpush bench serve: unknown connectors {bad}; choose from {ALL_MODES}",
+              file=sys.stderr)  # fmt: skip
         return 2
-    grid = dict(
-        qps_list=[float(q) for q in args.qps.split(",")],
-        input_lens=[int(x) for x in args.input_lens.split(",")],
-        output_lens=[int(x) for x in args.output_lens.split(",")],
-        iterations=args.iterations,
-        num_prompts=args.num_prompts,
-    )
-    if args.url:
-        sweep(modes[0], args.url, results_dir=results_dir, **grid)
-        return 0
+    results_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or str(tinymodel.ensure())
     engine_kw = {"extra_args": tuple(args.vllm_arg), "pin_cores": args.pin_cores}
     for mode in modes:
@@ -170,7 +199,9 @@ def main(args: object) -> int:
         stack.start()
         try:
             engines = engine_kw | {"extra_args": list(args.vllm_arg)}
-            sweep(mode, stack.url, results_dir=results_dir, engines=engines, **grid)
+            tokenizer = args.tokenizer or model
+            sweep(mode, stack.url, results_dir=results_dir, tokenizer=tokenizer, engines=engines,
+                  **grid)  # fmt: skip
         finally:
             stack.stop()
     print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
+import math
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from kvpush import httpclient
-from kvpush.bench.load import one_request, random_prompt
+from kvpush.bench import vllm_bench
+from kvpush.bench.vllm_bench import Load
 
 
-async def _sequential(url: str, prompts: list[list[int]], output_len: int) -> list:
-    async with httpclient.session() as c:
-        return [await one_request(c, url, "tiny", p, output_len) for p in prompts]
+def _sequential(url: str, tokenizer: str, load: Load) -> dict:
+    """One request at a time through `vllm bench serve` (warm it up first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return vllm_bench.run(url, tokenizer, "tiny", load, Path(tmp) / "ttft.json", quiet=True)
 
 
 async def _timelines(url: str) -> list[dict]:
@@ -58,16 +61,16 @@ def _mean_ms(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def _summary(results: list) -> dict:
-    ok = [r for r in results if r.ok]
-    if len(ok) < len(results):
-        errors = [r.error for r in results if not r.ok]
-        raise RuntimeError(f"{len(results) - len(ok)} requests failed: {errors[:3]}")
+def _summary(result: dict) -> dict:
+    """vLLM's medians, and the median first inter-token gap from its per-request ITLs."""
+    if result["failed"]:
+        errors = [e for e in result.get("errors", []) if e]
+        raise RuntimeError(f"{result['failed']} requests failed: {errors[:3]}")
     return {
-        "median_ttft_ms": float(np.median([r.ttft_ms for r in ok])),
-        "median_tpot_ms": float(np.median([r.tpot_ms for r in ok])),
+        "median_ttft_ms": result["median_ttft_ms"],
+        "median_tpot_ms": result["median_tpot_ms"],
         # the first inter-token gap: with kvpush, where the push tail goes (docs/benchmarks.md)
-        "median_itl0_ms": float(np.median([r.itl_ms[0] for r in ok if r.itl_ms])),
+        "median_itl0_ms": float(np.median([i[0] for i in result["itls"] if i])) * 1e3,
     }
 
 
@@ -87,9 +90,8 @@ def main(
     from kvpush.settings import SETTINGS
 
     model = str(tinymodel.ensure())
-    rng = random.Random(0)
-    prompts = [random_prompt(prompt_tokens, rng) for _ in range(num_requests)]
-    warm = [random_prompt(prompt_tokens, rng) for _ in range(3)]
+    # the same prompts (the same seed) to every target, one at a time
+    load = Load(math.inf, prompt_tokens, output_tokens, num_requests, max_concurrency=1)
     log_dir = SETTINGS.cache_dir / "logs"
     result: dict = {"benchmark": "ttft", "num_requests": num_requests, "vllm_args": vllm_args}
     result["pin_cores"], result["connector_extra"] = pin_cores, connector_extra or {}
@@ -103,10 +105,10 @@ def main(
     try:
         targets = {"proxy": stack.url, "prefill": specs[0].url, "decode": specs[1].url}
         for name, url in targets.items():
-            asyncio.run(_sequential(url, warm, output_tokens))  # one-time compilation
+            vllm_bench.warm_up(url, model, "tiny", prompt_tokens, output_tokens)
             engines = (targets["prefill"], targets["decode"])
             before = [asyncio.run(engine_phases(u)) for u in engines]
-            result[name] = _summary(asyncio.run(_sequential(url, prompts, output_tokens)))
+            result[name] = _summary(_sequential(url, model, load))
             if name == "proxy":
                 time.sleep(1)  # the engines' stats reach /metrics with their next steps
                 after = [asyncio.run(engine_phases(u)) for u in engines]
@@ -127,8 +129,8 @@ def main(
     plain = Stack([mono], "mono", PROXY_PORT, log_dir, with_proxy=False)
     plain.start()
     try:
-        asyncio.run(_sequential(plain.url, warm, output_tokens))
-        result["mono"] = _summary(asyncio.run(_sequential(plain.url, prompts, output_tokens)))
+        vllm_bench.warm_up(plain.url, model, "tiny", prompt_tokens, output_tokens)
+        result["mono"] = _summary(_sequential(plain.url, model, load))
         print(f"  mono: {result['mono']}", flush=True)
     finally:
         plain.stop()

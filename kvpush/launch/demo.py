@@ -3,9 +3,10 @@ through the proxy each time; TTFT and TPOT side by side; everything stopped afte
 
 from __future__ import annotations
 
-import asyncio
+import tempfile
+from pathlib import Path
 
-from kvpush.bench.load import run_load
+from kvpush.bench import vllm_bench
 
 CONNECTORS = ("kvpush", "nixl-pull")
 NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN, QPS = 6, 1024, 16, 1.0
@@ -23,19 +24,12 @@ def main() -> int:
         stack = mode_stack(connector, model, SETTINGS.cache_dir / "logs")
         stack.start()
         try:
-            asyncio.run(run_load(stack.url, "tiny", QPS, INPUT_LEN, OUTPUT_LEN, 1, seed=0))  # warm
-            rows[connector] = asyncio.run(
-                run_load(
-                    stack.url,
-                    "tiny",
-                    QPS,
-                    INPUT_LEN,
-                    OUTPUT_LEN,
-                    NUM_REQUESTS,
-                    seed=1,
-                    progress=f"{connector}: {NUM_REQUESTS} requests",
-                )
-            )
+            print(f"{connector}: {NUM_REQUESTS} requests (vllm bench serve)", flush=True)
+            vllm_bench.warm_up(stack.url, model, "tiny", INPUT_LEN, OUTPUT_LEN)
+            load = vllm_bench.Load(QPS, INPUT_LEN, OUTPUT_LEN, NUM_REQUESTS, seed=1)
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / f"{connector}.json"
+                rows[connector] = vllm_bench.run(stack.url, model, "tiny", load, path, quiet=True)
         finally:
             stack.stop()
     print(

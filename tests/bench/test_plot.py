@@ -34,9 +34,9 @@ def test_plot_writes_figures_and_a_summary_with_ratios(tmp_path):
             for n_in in (256, 1024):
                 write_point(tmp_path, "kvpush", qps, n_in, it, 100.0 + it * 10, 10.0)
                 write_point(tmp_path, "nixl-pull", qps, n_in, it, 200.0 + it * 10, 40.0)
-    assert plot.main(tmp_path, "ttft", "median") == 0
+    assert plot.main(tmp_path, "median") == 0
     assert (tmp_path / "ttft_median.png").stat().st_size > 1000
-    assert (tmp_path / "tpot_median.png").exists()
+    assert (tmp_path / "tpot_p99.png").exists()
     summary = (tmp_path / "summary.md").read_text()
     assert "| QPS | input | output | kvpush ms | nixl-pull ms | kvpush/nixl-pull |" in summary
     assert "| 1 | 256 | 16 | 105.0 | 205.0 | 0.51 |" in summary  # averaged over iterations
@@ -58,3 +58,15 @@ def test_the_ttft_breakdown_is_drawn_only_from_results_with_the_proxy_phases(tmp
     path.write_text(json.dumps(data))
     out = plot.breakdown(plot.load(tmp_path), tmp_path)
     assert out == tmp_path / "ttft_breakdown.png" and out.stat().st_size > 1000
+
+
+def test_results_without_kvpushs_fields_take_the_grid_point_from_their_name(tmp_path):
+    """As `vllm bench serve` writes them for anyone: vLLM's fields only."""
+    for mode, ttft in (("push", 50.0), ("pull", 200.0)):
+        data = {"median_ttft_ms": ttft, "median_tpot_ms": 5.0, "p99_ttft_ms": ttft}
+        (tmp_path / result_name(mode, 8.0, 16384, 128, 0)).write_text(json.dumps(data))
+    (tmp_path / "unrelated_qpsx_in_out_iter.json").write_text("{}")  # not the pattern: skipped
+    assert set(plot.load(tmp_path)) == {("push", 8.0, 16384, 128), ("pull", 8.0, 16384, 128)}
+    assert plot.main(tmp_path) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 8 | 16384 | 128 | 50.0 | 200.0 | 0.25 |" in summary  # push/pull

@@ -183,47 +183,69 @@ def test_decode_leg_lost_before_decode_saw_it_prefill_freed_by_abandon(engines):
     assert took < 3
 
 
-def test_bench_result_files_follow_the_contract(proxy_url, tmp_path):
-    """A short real sweep through the proxy: file names and the fields vllm bench serve writes."""
+def test_bench_sweep_writes_vllms_json_with_kvpushs_additions_and_plots_it(
+    proxy_url, tiny_model, tmp_path
+):
+    """A short real sweep through the proxy: each point one `vllm bench serve`, its JSON under
+    the seed's name, kvpush's fields added; `kvpush plot` draws it."""
     import json
 
+    from kvpush.bench import plot
     from kvpush.bench.serve import sweep
 
     url, _, _ = proxy_url
     paths = sweep(
-        "kvpush", url, [4.0], [64], [4], iterations=1, num_prompts=4, results_dir=tmp_path
-    )
-    assert [p.name for p in paths] == ["kvpush_qps4_in64_out4_iter0.json"]
+        "kvpush", url, [4.0, 8.0], [64], [4], iterations=1, num_prompts=4, results_dir=tmp_path,
+        tokenizer=str(tiny_model),
+    )  # fmt: skip
+    assert [p.name for p in paths] == [
+        "kvpush_qps4_in64_out4_iter0.json",
+        "kvpush_qps8_in64_out4_iter0.json",
+    ]
     data = json.loads(paths[0].read_text())
-    for field in (
-        "completed",
-        "duration",
-        "request_throughput",
-        "output_throughput",
-        "mean_ttft_ms",
-        "median_ttft_ms",
-        "std_ttft_ms",
-        "p99_ttft_ms",
-        "mean_tpot_ms",
-        "median_tpot_ms",
-        "p99_tpot_ms",
-        "mean_itl_ms",
-        "median_e2el_ms",
-        "p99_e2el_ms",
-        "ttfts",
-        "itls",
-        "e2els",
-        "hardware",
-        "qps",
-        "input_len",
-        "output_len",
-    ):
+    # vLLM's own fields: its definitions, its percentiles (numpy's)
+    for field in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                  "median_itl_ms", "p99_itl_ms", "p99_e2el_ms", "request_throughput",
+                  "ttfts", "itls", "backend", "request_rate"):  # fmt: skip
         assert field in data, field
     assert data["completed"] == 4 and data["failed"] == 0
-    assert data["output_lens"] == [4, 4, 4, 4]
-    # sampled from the proxy's /metrics during the run
+    assert data["input_lens"] == [64] * 4 and data["output_lens"] == [4] * 4  # exact lengths
+    assert data["request_rate"] == 4.0
+    # kvpush's: the grid point, and what it sampled from the proxy during the run
+    assert (data["mode"], data["qps"], data["input_len"], data["output_len"]) == (
+        "kvpush", 4.0, 64, 4)  # fmt: skip
+    assert data["hardware"]["cpus"] >= 1 and data["short_outputs"] == 0
     assert data["decode_waiting_on_prefill"]["samples"] >= 1
-    # the proxy's timeline: every phase of the 4 requests, joined into the result
-    phases = data["proxy_phases_ms"]
-    assert set(phases) == set(PHASES)  # every phase of the timeline
+    phases = data["proxy_phases_ms"]  # the proxy's timeline: every phase of the 4 requests
+    assert set(phases) == set(PHASES)
     assert all(p["count"] == 4 for p in phases.values())
+    assert plot.main(tmp_path) == 0
+    for metric, stat in plot.FIGURES:
+        assert (tmp_path / f"{metric}_{stat}.png").stat().st_size > 1000
+    assert (tmp_path / "ttft_breakdown.png").exists()
+
+
+def test_a_json_from_vllm_bench_serve_itself_plots(engines, tiny_model, tmp_path):
+    """Results someone's own `vllm bench serve` wrote (here against the plain engine and the
+    decode engine, named the seed's way as push and pull) plot, push against pull. It runs
+    vLLM's own bench serve with vLLM's options only, none of kvpush's sweep."""
+    import subprocess
+
+    from kvpush.bench import plot
+    from kvpush.bench.vllm_bench import BENCH_SERVE
+
+    for mode, engine in (("push", "mono"), ("pull", "decode")):
+        subprocess.run(
+            [*BENCH_SERVE, "--backend", "openai", "--base-url",
+             engines[engine].spec.url, "--model", str(tiny_model), "--served-model-name",
+             "tiny", "--dataset-name", "random", "--random-input-len", "32",
+             "--random-output-len", "4", "--num-prompts", "3", "--request-rate", "2",
+             "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+             f"{mode}_qps2_in32_out4_iter0.json"],
+            check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+    assert plot.main(tmp_path) == 0
+    assert (tmp_path / "ttft_median.png").stat().st_size > 1000
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| QPS | input | output | push ms | pull ms | push/pull |" in summary
+    assert "| 2 | 32 | 4 |" in summary
