@@ -127,10 +127,7 @@ class PushScheduler:
         if self._abandon_load(rid):
             return False, None  # vLLM holds the blocks until we report finished_recving
         if request.status == RequestStatus.FINISHED_ABORTED and not loaded:
-            try:
-                params = parse(request.kv_transfer_params)
-            except ParamsError:
-                params = None
+            params = _params_or_none(request)
             if params is not None and params.prefill is not None:  # aborted before blocks
                 self._actions.append(m.Cancel(None, params.key(rid), params.prefill))
         return False, None
