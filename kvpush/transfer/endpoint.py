@@ -72,6 +72,11 @@ class Outcome:
     # "expected", "registered" (first REGISTER sent), "notified" (all WRITEs in)
     marks: dict[str, float] = field(default_factory=dict)
     first_token: int = -1  # decode: the token prefill sampled, from the WRITEs' notifications
+    cause: str = ""  # when not ok: one of wire.CAUSES
+
+    @classmethod
+    def failed(cls, failure: wire.Failure, **fields: Any) -> Outcome:
+        return cls(False, failure.reason, cause=failure.cause, **fields)
 
 
 @dataclass
@@ -118,7 +123,8 @@ class Endpoint:
     def _call(self, fn: Callable[..., Any], *args: Any) -> Future:
         cmd = _Command(fn, args)
         if self._closing or not self._thread.is_alive():
-            cmd.future.set_result(Outcome(False, f"{self.role} endpoint is closed"))
+            closed = wire.Failure("other", f"{self.role} endpoint is closed")
+            cmd.future.set_result(Outcome.failed(closed))
             return cmd.future
         self._commands.put(cmd)
         assert self.channel is not None
@@ -176,7 +182,7 @@ class Endpoint:
                 done.append((cmd, cmd.fn(*cmd.args)))
             except Exception as e:  # a bad request fails alone; the loop goes on
                 log.warning("kvpush %s: %s", self.role, e)
-                done.append((cmd, Outcome(False, str(e))))
+                done.append((cmd, Outcome.failed(wire.Failure("other", str(e)))))
         if not done:
             return
         self._gauges = self._read_gauges()  # current before any caller sees its command done
@@ -201,12 +207,13 @@ class Endpoint:
             if now_s - link.last_sent_s >= self.config.heartbeat_s:
                 self._send(link, wire.HeartbeatMsg())
             if self.channel.is_dead(link, self.config.dead_after_s):
-                reason = (
+                dead = wire.Failure(
+                    "dead",
                     f"peer at {address} is dead: silent for {self.config.dead_after_s:.0f} s "
-                    "and its connection is gone"
+                    "and its connection is gone",
                 )
-                log.warning("kvpush %s: %s", self.role, reason)
-                self._peer_dead(address, reason, restarted=False)
+                log.warning("kvpush %s: %s", self.role, dead)
+                self._peer_dead(address, dead)
         self._pending_links = pending
 
     def _link_for(self, env: wire.Envelope) -> Link:
@@ -215,7 +222,9 @@ class Endpoint:
         link = self.channel.link(env.reply_to)
         link.last_seen_s = time.monotonic()
         if link.peer is not None and link.peer.instance_id != env.sender:
-            self._peer_dead(env.reply_to, f"peer at {env.reply_to} restarted", restarted=True)
+            self._peer_dead(
+                env.reply_to, wire.Failure("restarted", f"peer at {env.reply_to} restarted")
+            )
             link.peer = None
         return link
 
@@ -235,7 +244,8 @@ class Endpoint:
     def _pending_addresses(self) -> set[str]:
         raise NotImplementedError
 
-    def _peer_dead(self, address: str, reason: str, restarted: bool) -> None:
+    def _peer_dead(self, address: str, failure: wire.Failure) -> None:
+        """The peer is gone (cause "dead") or came back as a new instance ("restarted")."""
         raise NotImplementedError
 
     def _read_gauges(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvpush.transfer.wire import RegisterMsg, TransferKey
+from kvpush.transfer.wire import CANCELLED, Failure, RegisterMsg, TransferKey
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,19 @@ class Reply:
     peer: str
     kind: str
     key: TransferKey
-    reason: str = ""
+    failure: Failure | None = None  # kind 'fail'
 
 
 @dataclass(frozen=True)
 class Release:
-    """The source's blocks may be freed; ok=False carries why the push did not complete."""
+    """The source's blocks may be freed; a failure says why the push did not complete."""
 
     key: TransferKey
-    ok: bool
-    reason: str = ""
+    failure: Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
 
 
 Action = Write | Reply | Release
@@ -62,7 +65,7 @@ class _Pending:
     cancel_after_write: set[str] = field(default_factory=set)
     num_done: int = 0
     num_expected: int | None = None  # decode ranks that will register
-    failure: str | None = None  # set when the transfer failed while writes were on the wire
+    failure: Failure | None = None  # set when the transfer failed while writes were on the wire
 
 
 class Matcher:
@@ -74,8 +77,8 @@ class Matcher:
         self.max_records = max_records
         self._pending: dict[TransferKey, _Pending] = {}
         # Keys that ended (finished, failed, cancelled), kept for one lease so that a late
-        # message gets an answer at once: key -> (outcome, monotonic time it ended).
-        self._records: OrderedDict[TransferKey, tuple[str, float]] = OrderedDict()
+        # message gets an answer at once: key -> (failure or None, monotonic time it ended).
+        self._records: OrderedDict[TransferKey, tuple[Failure | None, float]] = OrderedDict()
 
     # -- gauges -------------------------------------------------------------------------
     @property
@@ -100,10 +103,10 @@ class Matcher:
     def source_ready(self, key: TransferKey, source: Source) -> list[Action]:
         now_s = self._clock()
         if key in self._records:
-            return [Release(key, False, f"transfer {key} already ended: {self._records[key][0]}")]
+            return [Release(key, self._late(key, "already ended"))]
         p = self._pending.setdefault(key, _Pending(created_s=now_s))
         if p.source is not None:
-            return [Release(key, False, f"transfer {key} already has a source")]
+            return [Release(key, Failure("other", f"transfer {key} already has a source"))]
         p.source, p.created_s = source, now_s
         actions: list[Action] = [self._write(key, p, peer) for peer in list(p.regs)]
         return actions + self._maybe_finish(key, p)
@@ -112,11 +115,11 @@ class Matcher:
         now_s = self._clock()
         key = reg.key
         if key in self._records:
-            outcome = self._records[key][0]
-            return [Reply(peer, "fail", key, f"transfer {key} already ended on prefill: {outcome}")]
+            return [Reply(peer, "fail", key, self._late(key, "already ended on prefill"))]
         p = self._pending.setdefault(key, _Pending(created_s=now_s))
         if peer in p.writing:
-            return [Reply(peer, "fail", key, f"transfer {key} re-registered while writing")]
+            failure = Failure("refused", f"transfer {key} re-registered while writing")
+            return [Reply(peer, "fail", key, failure)]
         p.regs[peer] = reg  # a re-sent registration replaces the unwritten one
         p.num_expected = reg.num_registrations
         if reg.num_cached_tokens >= reg.num_tokens:
@@ -131,15 +134,16 @@ class Matcher:
         p = self._pending.get(key)
         if p is None:  # cancelled before it registered: a later source is freed at once
             if key not in self._records:
-                self._record(key, "cancelled by decode")
+                self._record(key, CANCELLED)
             return [Reply(peer, "ack", key)]
         if peer in p.writing:
             p.cancel_after_write.add(peer)
             return []
         p.regs.pop(peer, None)
-        return [Reply(peer, "ack", key)] + self._end(key, p, False, "cancelled by decode")
+        return [Reply(peer, "ack", key)] + self._end(key, p, CANCELLED)
 
-    def write_done(self, key: TransferKey, peer: str, ok: bool, reason: str = "") -> list[Action]:
+    def write_done(self, key: TransferKey, peer: str, failure: Failure | None) -> list[Action]:
+        """A WRITE to `peer` completed (failure None) or failed."""
         p = self._pending.get(key)
         if p is None or peer not in p.writing:
             return []
@@ -148,32 +152,33 @@ class Matcher:
         if peer in p.cancel_after_write:
             p.cancel_after_write.discard(peer)
             actions.append(Reply(peer, "ack", key))
-        if not ok:
-            actions.append(Reply(peer, "fail", key, reason))
-            return actions + self._end(key, p, False, reason)
+        if failure is not None:
+            actions.append(Reply(peer, "fail", key, failure))
+            return actions + self._end(key, p, failure)
         p.num_done += 1
         if p.failure is not None:
-            return actions + self._end(key, p, False, p.failure)
+            return actions + self._end(key, p, p.failure)
         return actions + self._maybe_finish(key, p)
 
-    def abort(self, key: TransferKey, reason: str) -> list[Action]:
-        """Prefill gave up on the request (aborted or failed) before writing."""
+    def abort(self, key: TransferKey, failure: Failure) -> list[Action]:
+        """Prefill gave up on the request (aborted or failed), or the router did, before
+        writing."""
         p = self._pending.get(key)
         if p is None:
-            self._record(key, reason)
+            self._record(key, failure)
             return []
         if p.writing:  # data is on the wire; its completion decides
             return []
-        return self._end(key, p, False, reason)
+        return self._end(key, p, failure)
 
-    def peer_dead(self, peer: str, reason: str) -> list[Action]:
+    def peer_dead(self, peer: str, failure: Failure) -> list[Action]:
         actions: list[Action] = []
         for key, p in list(self._pending.items()):
             if peer in p.regs or peer in p.writing:
                 p.regs.pop(peer, None)
                 p.writing.discard(peer)
                 p.cancel_after_write.discard(peer)
-                actions += self._end(key, p, False, reason)
+                actions += self._end(key, p, failure)
         return actions
 
     def expire(self) -> list[Action]:
@@ -183,12 +188,8 @@ class Matcher:
         actions: list[Action] = []
         for key, p in list(self._pending.items()):
             if not p.writing and now_s - p.created_s > self.lease_s:
-                why = (
-                    "lease expired: decode never registered"
-                    if p.source
-                    else ("lease expired: prefill never finished")
-                )
-                actions += self._end(key, p, False, why)
+                who = "decode never registered" if p.source else "prefill never finished"
+                actions += self._end(key, p, Failure("lease", f"lease expired: {who}"))
         return actions
 
     def next_record_expiry_s(self) -> float | None:
@@ -206,23 +207,30 @@ class Matcher:
         if p.source is None or p.writing or p.regs:
             return []
         if p.num_expected is not None and p.num_done >= p.num_expected:
-            return self._end(key, p, True, "written")
+            return self._end(key, p, None)
         return []
 
-    def _end(self, key: TransferKey, p: _Pending, ok: bool, reason: str) -> list[Action]:
-        actions: list[Action] = [Reply(peer, "fail", key, reason) for peer in p.regs]
+    def _end(self, key: TransferKey, p: _Pending, failure: Failure | None) -> list[Action]:
+        """The transfer is written (failure None) or failed."""
+        actions: list[Action] = [Reply(peer, "fail", key, failure) for peer in p.regs]
         p.regs.clear()
         if p.writing:  # free only once the writes on the wire have completed
-            p.failure = p.failure or reason
+            p.failure = p.failure or failure
             return actions
         del self._pending[key]
-        self._record(key, reason)
+        self._record(key, failure)
         if p.source is not None:
-            actions.append(Release(key, ok, "" if ok else reason))
+            actions.append(Release(key, failure))
         return actions
 
-    def _record(self, key: TransferKey, outcome: str) -> None:
-        self._records[key] = (outcome, self._clock())
+    def _late(self, key: TransferKey, what: str) -> Failure:
+        """For a message about a key that has ended: its own failure's cause, or 'refused'."""
+        failure = self._records[key][0]
+        reason = failure.reason if failure else "written"
+        return Failure(failure.cause if failure else "refused", f"transfer {key} {what}: {reason}")
+
+    def _record(self, key: TransferKey, failure: Failure | None) -> None:
+        self._records[key] = (failure, self._clock())
         self._records.move_to_end(key)
         while len(self._records) > self.max_records:
             self._records.popitem(last=False)

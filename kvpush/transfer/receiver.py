@@ -53,7 +53,7 @@ class _Expected:
     rank_address: dict[int, str]
     registrations: dict[int, wire.RegisterMsg]  # by prefill rank
     cancel: Future | None = None
-    failure: str = ""
+    failure: wire.Failure | None = None
     marks: dict[str, float] = field(default_factory=dict)  # see Outcome.marks
     first_token: int = -1
 
@@ -176,7 +176,7 @@ class DecodeEndpoint(Endpoint):
                 exp.remaining.discard(address)
             else:
                 self._send(self.channel.link(address), wire.CancelMsg(key))
-        self._end(key, exp, "cancelled by decode")
+        self._end(key, exp, wire.CANCELLED)
         return exp.cancel
 
     def _receive(self, env: wire.Envelope) -> None:
@@ -185,9 +185,9 @@ class DecodeEndpoint(Endpoint):
         if isinstance(msg, wire.HelloAckMsg):
             self._on_hello_ack(link, msg)
         elif isinstance(msg, wire.FailMsg):
-            self._complete(msg.key, link.address, f"prefill failed the transfer: {msg.reason}")
+            self._complete(msg.key, link.address, msg.failure.within("prefill failed the transfer"))
         elif isinstance(msg, wire.DoneMsg | wire.CancelAckMsg):
-            self._complete(msg.key, link.address, "")
+            self._complete(msg.key, link.address, None)
 
     def _on_hello_ack(self, link: Link, ack: wire.HelloAckMsg) -> None:
         self._hello_sent.discard(link.address)
@@ -195,13 +195,15 @@ class DecodeEndpoint(Endpoint):
             for key, exp in list(self._expected.items()):
                 if link.address in exp.unsent:
                     exp.unsent.pop(link.address)
-                    self._complete(key, link.address, f"handshake refused: {ack.error}")
+                    refused = wire.Failure("handshake", f"handshake refused: {ack.error}")
+                    self._complete(key, link.address, refused)
             return
         named = self._engine_ids.get(link.address)
         if named is not None and named != ack.peer.engine_id:
-            why = (
+            why = wire.Failure(
+                "handshake",
                 f"wrong prefill engine at {link.address}: the router named {named!r}, "
-                f"it is {ack.peer.engine_id!r}"
+                f"it is {ack.peer.engine_id!r}",
             )
             for key, exp in list(self._expected.items()):
                 if exp.unsent.pop(link.address, None) is not None:
@@ -233,10 +235,10 @@ class DecodeEndpoint(Endpoint):
                     exp.first_token = written.first_token
                 self._complete(written.key, address, self._verify(exp, written))
 
-    def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> str:
-        """debug_checksum: compare what landed with what prefill hashed; '' when equal."""
+    def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
+        """debug_checksum: compare what landed with what prefill hashed; None when equal."""
         if not self.config.debug_checksum:
-            return ""
+            return None
         reg = exp.registrations[written.prefill_rank]
         landed = digest(
             self.layout, reg.block_ids, reg.num_cached_tokens, reg.num_tokens, range(*reg.heads)
@@ -246,16 +248,17 @@ class DecodeEndpoint(Endpoint):
             log.info(
                 "decode: checksum ok for %s from prefill rank %d", written.key, written.prefill_rank
             )
-            return ""
+            return None
         self.counters["checksum_mismatches"] += 1
         log.error(
             "decode: checksum mismatch for %s from prefill rank %d",
             written.key,
             written.prefill_rank,
         )
-        return f"checksum mismatch for data from prefill rank {written.prefill_rank}"
+        why = f"checksum mismatch for data from prefill rank {written.prefill_rank}"
+        return wire.Failure("checksum", why)
 
-    def _complete(self, key: wire.TransferKey, address: str, failure: str) -> None:
+    def _complete(self, key: wire.TransferKey, address: str, failure: wire.Failure | None) -> None:
         """One prefill rank is done with `key`: written, acknowledged or failed."""
         exp = self._expected.get(key)
         if exp is None or address not in exp.remaining:
@@ -263,11 +266,11 @@ class DecodeEndpoint(Endpoint):
         exp.remaining.discard(address)
         self._end(key, exp, failure)
 
-    def _end(self, key: wire.TransferKey, exp: _Expected, failure: str) -> None:
+    def _end(self, key: wire.TransferKey, exp: _Expected, failure: wire.Failure | None) -> None:
         """Fail or finish the transfer; forget it once no prefill rank can still write."""
         if failure and not exp.failure:
             exp.failure = failure
-            log.warning("decode: transfer %s failed: %s", key, failure)
+            log.warning("decode: transfer %s failed (%s): %s", key, failure.cause, failure)
         if failure and exp.cancel is None:
             # Failed: prefill ranks that have not answered yet are told to stand down.
             exp.cancel = Future()
@@ -286,20 +289,19 @@ class DecodeEndpoint(Endpoint):
             now = time.monotonic()
             exp.marks["notified"] = now
             if not exp.future.done():
-                outcome = Outcome(
-                    not exp.failure,
-                    exp.failure,
-                    elapsed_s=now - exp.started_s,
-                    marks=exp.marks,
-                    first_token=exp.first_token,
-                )
+                fields = {"elapsed_s": now - exp.started_s, "marks": exp.marks}
+                if exp.failure is None:
+                    outcome = Outcome(True, first_token=exp.first_token, **fields)
+                else:
+                    outcome = Outcome.failed(exp.failure, **fields)
                 exp.future.set_result(outcome)
             if exp.cancel is not None and not exp.cancel.done():
                 exp.cancel.set_result(Outcome(True, "blocks released"))
 
-    def _peer_dead(self, address: str, reason: str, restarted: bool) -> None:
+    def _peer_dead(self, address: str, failure: wire.Failure) -> None:
         """Fail what the peer owed us. After a restart, registrations still queued for the
         handshake go to the new instance; after a death, they fail too."""
+        restarted = failure.cause == "restarted"
         if not restarted:
             self._hello_sent.discard(address)
             assert self.channel is not None
@@ -308,14 +310,15 @@ class DecodeEndpoint(Endpoint):
             if address in exp.remaining and not (restarted and address in exp.unsent):
                 exp.unsent.pop(address, None)
                 exp.remaining.discard(address)
-                self._end(key, exp, reason)
+                self._end(key, exp, failure)
 
     def _tick(self, now_s: float) -> None:
         # A safety net only: prefill's lease and liveness end every transfer sooner.
         limit_s = self.config.lease_s + 2 * self.config.dead_after_s
         for key, exp in list(self._expected.items()):
             if exp.cancel is None and now_s - exp.started_s > limit_s:
-                self._end(key, exp, f"no answer from prefill within {limit_s:.0f} s")
+                silent = wire.Failure("lease", f"no answer from prefill within {limit_s:.0f} s")
+                self._end(key, exp, silent)
         super()._tick(now_s)
 
     def _poll_timeout_ms(self) -> int | None:

@@ -15,7 +15,24 @@ import msgspec
 
 from kvpush.transfer.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: FAIL carries a typed Failure
+
+# Why a transfer failed, as counted (kvpush:failures{cause}). Set where the failure happens
+# and carried on the wire (FAIL), never read back from the words of a reason.
+CAUSES = (
+    "lease",  # a lease ran out: decode never registered, or prefill never finished
+    "dead",  # the peer stopped answering
+    "restarted",  # the peer came back as a new instance
+    "cancelled",  # decode's request was aborted
+    "abandoned",  # the router gave the request up (ABANDON)
+    "aborted",  # prefill's request ended without a push (aborted, failed, or no source)
+    "handshake",  # the peers could not pair: refused, unknown, or the wrong engine
+    "write",  # a WRITE could not be posted or failed in NIXL
+    "checksum",  # debug_checksum: what landed is not what prefill sent
+    "refused",  # bad kv_transfer_params, or a registration prefill cannot serve
+    "hook",  # a connector hook raised for the request
+    "other",  # anything else (a bug): the reason says what
+)
 
 
 class TransferKey(msgspec.Struct, frozen=True, array_like=True):
@@ -98,9 +115,30 @@ class CancelAckMsg(msgspec.Struct, tag="cancel_ack"):
     key: TransferKey
 
 
+class Failure(msgspec.Struct, frozen=True):
+    """Why a transfer failed: a cause to count by (one of CAUSES) and words for people."""
+
+    cause: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.cause not in CAUSES:
+            raise ValueError(f"unknown failure cause {self.cause!r}; known: {CAUSES}")
+
+    def __str__(self) -> str:
+        return self.reason
+
+    def within(self, context: str) -> Failure:
+        """The same cause, its reason prefixed with where it was seen."""
+        return Failure(self.cause, f"{context}: {self.reason}")
+
+
+CANCELLED = Failure("cancelled", "cancelled by decode")
+
+
 class FailMsg(msgspec.Struct, tag="fail"):
     key: TransferKey
-    reason: str
+    failure: Failure
 
 
 class DoneMsg(msgspec.Struct, tag="done"):

@@ -59,15 +59,16 @@ class PrefillEndpoint(Endpoint):
         source = Source(list(block_ids), num_tokens, first_token)
         return self._call(self._on_source, key, source)
 
-    def abort(self, key: wire.TransferKey, reason: str) -> Future:
+    def abort(self, key: wire.TransferKey, failure: wire.Failure) -> Future:
         """The prefill request failed or was aborted: tell decode, hold nothing. Resolves
         once the loop thread has acted on it (and refreshed the gauges)."""
-        return self._call(self._apply_all, self._matcher.abort, key, reason)
+        return self._call(self._apply_all, self._matcher.abort, key, failure)
 
     # -- loop thread --------------------------------------------------------------------
     def _on_source(self, key: wire.TransferKey, source: Source) -> Future:
         if key in self._futures:
-            return resolved(Outcome(False, f"transfer {key} is already being pushed"))
+            failure = wire.Failure("other", f"transfer {key} is already being pushed")
+            return resolved(Outcome.failed(failure))
         future: Future = Future()
         self._futures[key] = future
         self._started[key] = time.monotonic()
@@ -91,7 +92,7 @@ class PrefillEndpoint(Endpoint):
             key = getattr(msg, "key", None)
             if key is not None:
                 reason = "prefill does not know this decode instance; handshake first"
-                self._send(link, wire.FailMsg(key, reason))
+                self._send(link, wire.FailMsg(key, wire.Failure("handshake", reason)))
         elif isinstance(msg, wire.RegisterMsg):
             self._apply(self._matcher.register(peer, msg))
         else:
@@ -102,7 +103,8 @@ class PrefillEndpoint(Endpoint):
             super()._from_router(msg)
             return
         log.debug("prefill: transfer %s abandoned by the router: %s", msg.key, msg.reason)
-        self._apply(self._matcher.abort(msg.key, f"abandoned by the router: {msg.reason}"))
+        abandoned = wire.Failure("abandoned", f"abandoned by the router: {msg.reason}")
+        self._apply(self._matcher.abort(msg.key, abandoned))
 
     def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
         error = None
@@ -127,7 +129,7 @@ class PrefillEndpoint(Endpoint):
             for address, peer in list(self._peers.items()):
                 if (peer.engine_id, peer.rank) == (hello.peer.engine_id, hello.peer.rank):
                     why = f"decode {peer.engine_id}/{peer.rank} restarted"
-                    self._peer_dead(address, why, restarted=True)
+                    self._peer_dead(address, wire.Failure("restarted", why))
             try:
                 name = self.agent.add_remote(hello.agent_metadata)
                 self._peers[link.address] = _DecodePeer(
@@ -153,7 +155,8 @@ class PrefillEndpoint(Endpoint):
         assert self.channel is not None
         link = self.channel.link(r.peer)
         if r.kind == "fail":
-            self._send(link, wire.FailMsg(r.key, r.reason))
+            assert r.failure is not None
+            self._send(link, wire.FailMsg(r.key, r.failure))
         elif r.kind == "ack":
             self._send(link, wire.CancelAckMsg(r.key))
         else:
@@ -165,9 +168,13 @@ class PrefillEndpoint(Endpoint):
         future = self._futures.pop(r.key, None)
         self._gauges = self._read_gauges()  # current before the caller sees the future done
         marks = self._marks.pop(r.key, {})
-        outcome = Outcome(r.ok, r.reason, num_bytes, num_descs, time.monotonic() - started, marks)
-        if not r.ok:
-            log.warning("prefill: transfer %s failed: %s", r.key, r.reason)
+        fields = {"num_bytes": num_bytes, "num_descs": num_descs, "marks": marks}
+        fields["elapsed_s"] = time.monotonic() - started
+        if r.failure is None:
+            outcome = Outcome(True, **fields)
+        else:
+            outcome = Outcome.failed(r.failure, **fields)
+            log.warning("prefill: transfer %s failed (%s): %s", r.key, r.failure.cause, r.failure)
         if future is not None and not future.done():
             future.set_result(outcome)
 
@@ -213,7 +220,8 @@ class PrefillEndpoint(Endpoint):
                 notif,
             )
         except Exception as e:
-            self._apply(self._matcher.write_done(w.key, w.peer, False, f"WRITE not posted: {e}"))
+            failure = wire.Failure("write", f"WRITE not posted: {e}")
+            self._apply(self._matcher.write_done(w.key, w.peer, failure))
             return
         stats = self._stats.setdefault(w.key, [0, 0])
         stats[0] += plan.total_bytes
@@ -236,17 +244,17 @@ class PrefillEndpoint(Endpoint):
         self.agent.release(flight.handle)
         if key in self._marks:  # not for a write that ends after its transfer was released
             self._marks[key]["written"] = time.monotonic()
-        ok = state == "DONE"
-        self._apply(self._matcher.write_done(key, peer, ok, "" if ok else "NIXL WRITE failed"))
+        failure = None if state == "DONE" else wire.Failure("write", f"NIXL WRITE ended {state}")
+        self._apply(self._matcher.write_done(key, peer, failure))
 
-    def _peer_dead(self, address: str, reason: str, restarted: bool) -> None:
+    def _peer_dead(self, address: str, failure: wire.Failure) -> None:
         for key, peer in list(self._in_flight):
             if peer == address:
                 self.agent.release(self._in_flight.pop((key, peer)).handle)
         peer_state = self._peers.pop(address, None)
         if peer_state is not None:
             self.agent.remove_remote(peer_state.agent_name)
-        self._apply(self._matcher.peer_dead(address, reason))
+        self._apply(self._matcher.peer_dead(address, failure))
 
     def _poll_timeout_ms(self) -> int | None:
         if self._in_flight:
@@ -278,4 +286,4 @@ class PrefillEndpoint(Endpoint):
         for key, peer in list(self._in_flight):
             self.agent.release(self._in_flight.pop((key, peer)).handle)
         for key in list(self._futures):
-            self._release(Release(key, False, "prefill endpoint closed"))
+            self._release(Release(key, wire.Failure("other", "prefill endpoint closed")))

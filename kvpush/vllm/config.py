@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+
+from kvpush.vllm.params import validation_error
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
 DEFAULT_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
+
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """kv_connector_extra_config as written in --kv-transfer-config (ConnectorConfig's
+    fields, documented there)."""
+
+    backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    lease_s: Seconds = 30.0
+    dead_after_s: Seconds = 5.0
+    heartbeat_s: Seconds = 1.0
+    debug_checksum: bool = False
+    gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
+    debug_faults: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,44 +86,18 @@ class ConnectorConfig:
                     f"start vLLM with --logits-processors {firsttoken.FQCN} "
                     "(kvpush serve does)"
                 )
-        extra = dict(kv.kv_connector_extra_config or {})
-        known = {
-            "backends",
-            "side_channel_host",
-            "side_channel_port",
-            "lease_s",
-            "dead_after_s",
-            "heartbeat_s",
-            "debug_checksum",
-            "gil_switch_interval_s",
-            "debug_faults",
-        }
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
-            )
+        try:
+            extra = msgspec.convert(dict(kv.kv_connector_extra_config or {}), ExtraConfig)
+        except msgspec.ValidationError as e:
+            known = ", ".join(ExtraConfig.__struct_fields__)
+            message = validation_error(e, "kv_connector_extra_config")
+            raise ValueError(f"{message} (known: {known})") from None
         is_prefill = roles[kv.kv_role]
-        default_port = DEFAULT_SIDE_CHANNEL_PORT if is_prefill else 0
-        return cls(
-            engine_id=kv.engine_id,
-            is_prefill=is_prefill,
-            backends=tuple(extra.get("backends", ["UCX"])),
-            side_channel_host=str(extra.get("side_channel_host", "127.0.0.1")),
-            side_channel_port=int(extra.get("side_channel_port", default_port)),
-            lease_s=float(extra.get("lease_s", 30.0)),
-            dead_after_s=float(extra.get("dead_after_s", 5.0)),
-            heartbeat_s=float(extra.get("heartbeat_s", 1.0)),
-            debug_checksum=bool(extra.get("debug_checksum", False)),
-            debug_faults=bool(extra.get("debug_faults", False)),
-            gil_switch_interval_s=_positive(
-                extra, "gil_switch_interval_s", DEFAULT_GIL_SWITCH_INTERVAL_S
-            ),
-        )
-
-
-def _positive(extra: dict, name: str, default: float) -> float:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"kv_connector_extra_config {name} must be a number > 0, got {value!r}")
-    return float(value)
+        port = extra.side_channel_port
+        if port is None:
+            port = DEFAULT_SIDE_CHANNEL_PORT if is_prefill else 0
+        fields = msgspec.structs.asdict(extra) | {
+            "backends": tuple(extra.backends),
+            "side_channel_port": port,
+        }
+        return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.wire import TransferKey
+from kvpush.transfer.wire import Failure, TransferKey
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Abort:
     """Prefill: the request failed or was aborted; tell decode, hold nothing."""
 
     key: TransferKey
-    reason: str
+    failure: Failure
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class Refuse:
     "refused") or a connector hook raised for it ("hook")."""
 
     req_id: str
-    reason: str
-    cause: str = "refused"
+    failure: Failure
 
 
 Action = Push | Abort | Expect | Cancel | Refuse

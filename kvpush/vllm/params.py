@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.wire import TransferKey
@@ -19,6 +21,19 @@ _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 class ParamsError(ValueError):
     """Malformed or contradictory kv_transfer_params; the message names the field."""
+
+
+class _Params(msgspec.Struct):
+    """The fields kvpush reads; any others (a pull connector's) are left to their owner."""
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    transfer_id: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    pp_size: int = 1
+    remote_host: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    remote_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    remote_engine_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -40,46 +55,34 @@ def external_request_id(request_id: str) -> str:
     return request_id[: match.start()] if match else request_id
 
 
-def _get(params: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    value = params.get(name, default)
-    if value is None or isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    raise ParamsError(
-        f"kv_transfer_params.{name} must be {kind.__name__}, got {type(value).__name__} {value!r}"
-    )
+def validation_error(error: msgspec.ValidationError, name: str) -> str:
+    """msgspec's "Expected `int` >= 1 - at `$.tp_size`" as "name.tp_size: expected `int` >= 1"."""
+    what, _, where = str(error).partition(" - at `$")
+    where = where.rstrip("`")
+    return f"{name}{where}: {what[:1].lower()}{what[1:]}"
 
 
 def parse(params: Any) -> PushParams | None:
     """None for a request that is not disaggregated; ParamsError for a bad one."""
     if params is None:
         return None
-    if not isinstance(params, dict):
-        raise ParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    remote_prefill = _get(params, "do_remote_prefill", bool, False)
-    remote_decode = _get(params, "do_remote_decode", bool, False)
-    if remote_prefill and remote_decode:
+    try:
+        p = msgspec.convert(params, _Params)
+    except msgspec.ValidationError as e:
+        raise ParamsError(validation_error(e, "kv_transfer_params")) from None
+    if p.do_remote_prefill and p.do_remote_decode:
         raise ParamsError(
             "kv_transfer_params: do_remote_prefill and do_remote_decode are both true; "
             "a leg is either prefill (do_remote_decode) or decode (do_remote_prefill)"
         )
-    if not (remote_prefill or remote_decode):
+    if p.pp_size != 1:
+        raise ParamsError(f"kv_transfer_params.pp_size={p.pp_size}: only 1 is supported")
+    if p.do_remote_decode:
+        return PushParams("prefill", p.transfer_id, None)
+    if not p.do_remote_prefill:
         return None
-    transfer_id = _get(params, "transfer_id", str)
-    if transfer_id is not None and not transfer_id.strip():
-        raise ParamsError("kv_transfer_params.transfer_id must not be empty")
-    pp_size = _get(params, "pp_size", int, 1)
-    if pp_size != 1:
-        raise ParamsError(f"kv_transfer_params.pp_size={pp_size}: only 1 is supported")
-    if remote_decode:
-        return PushParams("prefill", transfer_id, None)
-    host = _get(params, "remote_host", str)
-    port = _get(params, "remote_port", int)
-    tp_size = _get(params, "tp_size", int, 1)
-    engine_id = _get(params, "remote_engine_id", str)
-    if not host:
-        raise ParamsError("kv_transfer_params.remote_host is required with do_remote_prefill")
-    if port is None or not 0 < port < 65536:
-        raise ParamsError(f"kv_transfer_params.remote_port must be a port 1..65535, got {port!r}")
-    if tp_size < 1:
-        raise ParamsError(f"kv_transfer_params.tp_size must be >= 1, got {tp_size}")
-    return PushParams("decode", transfer_id, PrefillAddress(host, port, tp_size, engine_id))
+    for name in ("remote_host", "remote_port"):
+        if getattr(p, name) is None:
+            raise ParamsError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+    address = PrefillAddress(p.remote_host, p.remote_port, p.tp_size, p.remote_engine_id)
+    return PushParams("decode", p.transfer_id, address)

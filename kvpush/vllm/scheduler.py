@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from kvpush.transfer.wire import Failure
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.params import ParamsError, parse
@@ -38,7 +39,7 @@ class PushScheduler:
         self._sending: set[str] = set()  # prefill: pushes the workers have not finished
         self._loading: dict[str, m.Expect | None] = {}  # decode: waiting for finished_recving
         self._loaded: set[str] = set()  # decode: KV arrived; the request decodes
-        self._refused: dict[str, tuple[str, str]] = {}  # decode: (reason, cause) of a request
+        self._refused: dict[str, Failure] = {}  # decode: why a request is failed
         # that fails as a load failure: bad params ("refused") or a failed hook ("hook")
         self._abandoned: set[str] = set()  # decode: finished while loading; a cancel is out
         self._settling = 0  # workers' aborts and cancels not acted on yet
@@ -62,7 +63,7 @@ class PushScheduler:
                 tid = (request.kv_transfer_params or {}).get("transfer_id") if isinstance(
                     request.kv_transfer_params, dict) else None  # fmt: skip
                 log.warning("kvpush: request %s (transfer_id %s) refused: %s", rid, tid, e)
-                self._refused[rid] = (str(e), "refused")
+                self._refused[rid] = Failure("refused", str(e))
             return need, True
         if params is None:
             return 0, False
@@ -76,7 +77,7 @@ class PushScheduler:
         if num_external == 0 or rid in self._loading:
             return
         if rid in self._refused:
-            self._actions.append(m.Refuse(rid, *self._refused.pop(rid)))
+            self._actions.append(m.Refuse(rid, self._refused.pop(rid)))
             self._loading[rid] = None
             return
         params = parse(request.kv_transfer_params)
@@ -163,7 +164,7 @@ class PushScheduler:
                 key.transfer_id,
                 error,
             )
-            self._refused[rid] = (f"matching failed: {error!r}", "hook")
+            self._refused[rid] = Failure("hook", f"matching failed: {error!r}")
             self._actions.append(m.Cancel(None, key, params.prefill))
         return request.num_prompt_tokens - num_computed, True
 
@@ -175,7 +176,7 @@ class PushScheduler:
         if isinstance(self._loading.get(rid), m.Expect):
             return  # registered before it raised: that load goes on
         self._refused.pop(rid, None)
-        self._actions.append(m.Refuse(rid, f"registration failed: {error!r}", "hook"))
+        self._actions.append(m.Refuse(rid, Failure("hook", f"registration failed: {error!r}")))
         self._loading[rid] = None
         params = _params_or_none(request)
         key = params.key(rid) if params is not None and params.leg == "decode" else None
@@ -199,8 +200,8 @@ class PushScheduler:
             if rid in self._sending:
                 return True, None
             if params is not None and params.leg == "prefill":
-                reason = f"prefill's request_finished failed: {error!r}"
-                self._actions.append(m.Abort(params.key(rid), reason))
+                failure = Failure("hook", f"prefill's request_finished failed: {error!r}")
+                self._actions.append(m.Abort(params.key(rid), failure))
             return False, None
         self._refused.pop(rid, None)
         self._loaded.discard(rid)
@@ -248,7 +249,8 @@ class PushScheduler:
             )
             return False, None
         if request.status not in _FINISHED_OK or not block_ids:
-            self._actions.append(m.Abort(key, f"prefill request ended {request.status.name}"))
+            ended = Failure("aborted", f"prefill request ended {request.status.name}")
+            self._actions.append(m.Abort(key, ended))
             return False, None
         first = request.output_token_ids[0] if request.output_token_ids else -1
         push = m.Push(rid, key, list(block_ids), request.num_prompt_tokens, time.monotonic(), first)

@@ -16,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvpush.transfer.wire import CAUSES
+
 GAUGES = {
     "pending_match": "prefill: transfers waiting for their registration or their prefill",
     "in_flight": "prefill: WRITEs posted and not yet complete",
@@ -29,20 +31,6 @@ PHASE_NAMES = (
     "handover", "pair_and_post", "write", "release", "register", "wait_writes", "report"
 )  # fmt: skip
 PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
-# Why transfers failed (kvpush:failures{cause}). The first seven are read from the endpoint's
-# reason; "refused" (bad kv_transfer_params) and "hook" (a connector hook raised for the
-# request) are given by the connector where it fails the request.
-CAUSES = (
-    "lease", "dead", "restarted", "cancelled", "handshake", "write", "checksum",
-    "refused", "hook", "other",
-)  # fmt: skip
-
-
-def failure_cause(reason: str) -> str:
-    for cause in CAUSES[:7]:
-        if cause in reason.lower():
-            return cause
-    return "refused" if "refus" in reason else "other"
 
 
 def _empty() -> dict[str, Any]:
@@ -71,13 +59,13 @@ class KVPushStats(KVConnectorStats):
     def record(
         self,
         ok: bool,
-        reason: str,
         num_bytes: int,
         num_descs: int,
         elapsed_s: float,
         phases_s: dict[str, float] | None = None,
-        cause: str | None = None,
+        cause: str = "other",
     ) -> None:
+        """One transfer's end: counted as done, or as failed by its cause (wire.CAUSES)."""
         for name, seconds in (phases_s or {}).items():
             self.data["phases_s"].setdefault(name, []).append(seconds)
         if ok:
@@ -86,7 +74,6 @@ class KVPushStats(KVConnectorStats):
             self.data["num_descs"] += num_descs
             self.data["elapsed_s"].append(elapsed_s)
         else:
-            cause = cause or failure_cause(reason)
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
 
     def aggregate(self, other: KVConnectorStats) -> KVPushStats:

@@ -128,10 +128,11 @@ class PushWorker:
                 if isinstance(action, m.Push):  # vLLM frees its blocks once it is "sent"
                     self._unsent.add(action.req_id)
                     with contextlib.suppress(Exception):  # decode fails it, not at its lease
-                        self._settling.append(self.endpoint.abort(action.key, str(e)))
+                        failure = wire.Failure("other", f"push not started: {e}")
+                        self._settling.append(self.endpoint.abort(action.key, failure))
                 elif req_id is not None:
                     self._refused.add(req_id)
-                self._stats.record(False, str(e), 0, 0, 0.0, cause="other")
+                self._stats.record(False, 0, 0, 0.0, cause="other")
 
     def _start(self, a: m.Action) -> None:
         ep = self.endpoint
@@ -139,7 +140,7 @@ class PushWorker:
             self._timeline[a.req_id] = (a.key.transfer_id, {"finished": a.finished_s})
             self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens, a.first_token)
         elif isinstance(a, m.Abort):
-            self._settling.append(ep.abort(a.key, a.reason))
+            self._settling.append(ep.abort(a.key, a.failure))
         elif isinstance(a, m.Expect):
             self._timeline[a.req_id] = (a.key.transfer_id, {})
             self._futures[a.req_id] = ep.expect(
@@ -153,7 +154,7 @@ class PushWorker:
                 self._cancelled.add(a.req_id)
         elif isinstance(a, m.Refuse):
             self._refused.add(a.req_id)
-            self._stats.record(False, a.reason, 0, 0, 0.0, cause=a.cause)
+            self._stats.record(False, 0, 0, 0.0, cause=a.failure.cause)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
@@ -181,11 +182,11 @@ class PushWorker:
             if not cancelled:
                 self._stats.record(
                     outcome.ok,
-                    outcome.reason,
                     outcome.num_bytes,
                     outcome.num_descs,
                     outcome.elapsed_s,
                     phases,
+                    cause=outcome.cause,
                 )
             if log.isEnabledFor(logging.DEBUG):  # formatting the phases is not free
                 log.debug(

@@ -56,10 +56,11 @@ def test_write_that_fails_in_nixl_fails_decode_at_once(sides):
     fd = decode.call("expect", key, address, [60, 61], 32)  # upper half: not registered
     fp = prefill.call("push", key, [1, 2], 32)
     out_p = prefill.wait(fp, timeout_s=5)
-    assert not out_p.ok and "WRITE" in out_p.reason
+    assert (out_p.ok, out_p.cause) == (False, "write") and "WRITE" in out_p.reason
     start = time.monotonic()
     out_d = decode.wait(fd, timeout_s=5)
-    assert not out_d.ok and "prefill failed the transfer" in out_d.reason
+    assert (out_d.ok, out_d.cause) == (False, "write"), out_d  # prefill's cause, on the wire
+    assert "prefill failed the transfer" in out_d.reason
     assert time.monotonic() - start < 1.0
     assert_idle(prefill, decode)
 
@@ -73,7 +74,7 @@ def test_killed_prefill_fails_decode_within_6s(sides):
     prefill.kill()
     killed = time.monotonic()
     out = decode.wait(fd, timeout_s=10)
-    assert not out.ok and "dead" in out.reason
+    assert (out.ok, out.cause) == (False, "dead") and "is dead" in out.reason, out
     assert time.monotonic() - killed < 6.0
     assert_idle(decode)
 
@@ -89,7 +90,8 @@ def test_killed_decode_frees_prefill_blocks_within_6s(sides):
     killed = time.monotonic()
     out = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=10)
     # the WRITE fails on the wire, or the peer is declared dead first: which one is a race
-    assert not out.ok and re.search("dead|REMOTE_DISCONNECT", out.reason), out.reason
+    assert not out.ok and out.cause in ("dead", "write"), out
+    assert re.search("is dead|REMOTE_DISCONNECT", out.reason), out.reason
     assert time.monotonic() - killed < 6.0
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 0, 1, "registration dropped")
 
@@ -171,7 +173,8 @@ def test_handshake_refuses_a_mismatch_naming_both_values(
     out = decode.wait(
         decode.call("expect", new_key(), PrefillAddress("127.0.0.1", port), [1], 16), timeout_s=5
     )
-    assert not out.ok and "handshake refused" in out.reason and message in out.reason, out.reason
+    assert (out.ok, out.cause) == (False, "handshake"), out
+    assert "handshake refused" in out.reason and message in out.reason, out.reason
     assert prefill.call("gauges")["peers"] == 0
     assert_idle(prefill, decode)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvpush.transfer.matcher import Matcher, Release, Reply, Source, Write
-from kvpush.transfer.wire import RegisterMsg, TransferKey
+from kvpush.transfer.wire import Failure, RegisterMsg, TransferKey
 
 KEY = TransferKey("t", 0)
 SRC = Source([1, 2], 32)
@@ -31,8 +33,8 @@ def test_registration_first_then_source_writes_then_releases():
     (write,) = m.source_ready(KEY, SRC)
     assert isinstance(write, Write) and write.peer == "d"
     assert m.num_in_flight == 1
-    (release,) = m.write_done(KEY, "d", ok=True)
-    assert release == Release(KEY, True)
+    (release,) = m.write_done(KEY, "d", None)
+    assert release == Release(KEY) and release.ok
     assert not m.has_pending()
 
 
@@ -46,9 +48,9 @@ def test_source_waits_for_every_decode_rank():
     m = Matcher(lease_s=30)
     m.source_ready(KEY, SRC)
     m.register("d0", reg(ranks=2))
-    assert m.write_done(KEY, "d0", ok=True) == []  # d1 still owed
+    assert m.write_done(KEY, "d0", None) == []  # d1 still owed
     m.register("d1", reg(ranks=2))
-    assert kinds(m.write_done(KEY, "d1", ok=True)) == ["Release"]
+    assert kinds(m.write_done(KEY, "d1", None)) == ["Release"]
 
 
 def test_resent_registration_replaces_the_unwritten_one():
@@ -63,9 +65,11 @@ def test_late_registration_and_cancel_for_an_ended_key_are_answered_at_once():
     m = Matcher(lease_s=30)
     m.source_ready(KEY, SRC)
     m.register("d", reg())
-    m.write_done(KEY, "d", ok=True)
+    m.write_done(KEY, "d", None)
     (fail,) = m.register("d", reg())
-    assert fail.kind == "fail" and "already ended" in fail.reason
+    # a registration for a key already written is one prefill cannot serve
+    assert fail.kind == "fail" and fail.failure.cause == "refused"
+    assert "already ended on prefill: written" in fail.failure.reason
     assert kinds(m.cancel("d", KEY)) == ["Reply:ack"]
     assert not m.has_pending()
 
@@ -75,7 +79,7 @@ def test_cancel_before_write_acks_and_a_later_source_is_freed_at_once():
     m.register("d", reg())
     assert kinds(m.cancel("d", KEY)) == ["Reply:ack"]
     (release,) = m.source_ready(KEY, SRC)  # recorded as cancelled
-    assert not release.ok and "cancelled" in release.reason
+    assert not release.ok and release.failure.cause == "cancelled"
 
 
 def test_cancel_during_write_is_acked_after_the_write():
@@ -83,13 +87,13 @@ def test_cancel_during_write_is_acked_after_the_write():
     m.register("d", reg())
     m.source_ready(KEY, SRC)
     assert m.cancel("d", KEY) == []
-    assert kinds(m.write_done(KEY, "d", ok=True)) == ["Reply:ack", "Release"]
+    assert kinds(m.write_done(KEY, "d", None)) == ["Reply:ack", "Release"]
 
 
 def test_full_prefix_hit_answers_done_and_frees_with_the_source():
     m = Matcher(lease_s=30)
     assert kinds(m.register("d", reg(cached=32))) == ["Reply:done"]
-    assert m.source_ready(KEY, SRC) == [Release(KEY, True)]
+    assert m.source_ready(KEY, SRC) == [Release(KEY)]
 
 
 def test_lease_expires_either_side_and_records_expire_after_a_lease():
@@ -102,8 +106,8 @@ def test_lease_expires_either_side_and_records_expire_after_a_lease():
     clock.now_s = 10.5
     actions = m.expire()
     assert kinds(actions) == ["Release", "Reply:fail"]
-    assert "never registered" in actions[0].reason
-    assert "never finished" in actions[1].reason
+    assert actions[0].failure == Failure("lease", "lease expired: decode never registered")
+    assert actions[1].failure == Failure("lease", "lease expired: prefill never finished")
     assert m.num_records == 2 and not m.has_pending()
     clock.now_s = 21.0
     m.expire()
@@ -114,7 +118,9 @@ def test_failed_write_fails_decode_and_releases():
     m = Matcher(lease_s=30)
     m.register("d", reg())
     m.source_ready(KEY, SRC)
-    assert kinds(m.write_done(KEY, "d", ok=False, reason="boom")) == ["Reply:fail", "Release"]
+    boom = Failure("write", "boom")
+    fail, release = m.write_done(KEY, "d", boom)
+    assert (fail.kind, fail.failure, release.failure) == ("fail", boom, boom)
 
 
 def test_dead_peer_releases_its_sources_but_not_others():
@@ -124,14 +130,22 @@ def test_dead_peer_releases_its_sources_but_not_others():
     m.register("e", reg(key=other))
     m.source_ready(KEY, SRC)
     m.source_ready(other, SRC)
-    actions = m.peer_dead("d", "dead")
+    actions = m.peer_dead("d", Failure("dead", "d is dead"))
     assert [a.key for a in actions if isinstance(a, Release)] == [KEY]
+    assert {a.failure.cause for a in actions} == {"dead"}
     assert m.has_pending()
 
 
 def test_abort_fails_the_registered_decode_and_records_the_key():
     m = Matcher(lease_s=30)
     m.register("d", reg())
-    assert kinds(m.abort(KEY, "prefill aborted")) == ["Reply:fail"]
-    (fail,) = m.register("d", reg())
-    assert "prefill aborted" in fail.reason
+    assert kinds(m.abort(KEY, Failure("aborted", "prefill aborted"))) == ["Reply:fail"]
+    (fail,) = m.register("d", reg())  # a late one gets the recorded cause
+    assert fail.failure == Failure(
+        "aborted", f"transfer {KEY} already ended on prefill: prefill aborted"
+    )
+
+
+def test_a_failure_names_a_known_cause():
+    with pytest.raises(ValueError, match="unknown failure cause 'lost'"):
+        Failure("lost", "?")

@@ -107,7 +107,7 @@ def test_late_registration_for_a_finished_key_is_answered_at_once(pair):
     assert decode.wait(fd).ok and prefill.wait(fp).ok
     start = time.monotonic()
     late = decode.wait(decode.call("expect", key, address, [1, 2], 32), timeout_s=5)
-    assert not late.ok and "already ended" in late.reason
+    assert (late.ok, late.cause) == (False, "refused") and "already ended" in late.reason
     assert time.monotonic() - start < 1.0
 
 
@@ -115,10 +115,10 @@ def test_late_registration_for_a_failed_key_is_answered_at_once(pair):
     prefill, decode, address = pair
     key = new_key()
     out = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=10)
-    assert not out.ok and "lease expired" in out.reason  # nobody registered within 3 s
+    assert (out.ok, out.cause) == (False, "lease"), out  # nobody registered within 3 s
     start = time.monotonic()
     late = decode.wait(decode.call("expect", key, address, [1, 2], 32), timeout_s=5)
-    assert not late.ok and "lease expired" in late.reason
+    assert (late.ok, late.cause) == (False, "lease") and "lease expired" in late.reason
     assert time.monotonic() - start < 1.0
 
 
@@ -127,7 +127,7 @@ def test_lease_frees_a_source_nobody_registered_for(pair):
     start = time.monotonic()
     out = prefill.wait(prefill.call("push", new_key(), [3, 4], 32), timeout_s=10)
     elapsed = time.monotonic() - start
-    assert not out.ok and "decode never registered" in out.reason
+    assert (out.ok, out.cause) == (False, "lease") and "decode never registered" in out.reason
     assert 2.9 < elapsed < 4.0  # lease_s = 3
     assert_idle(prefill, decode)
 
@@ -146,7 +146,8 @@ def test_router_abandon_frees_a_finished_source_at_once(pair):
         out = prefill.wait(fp, timeout_s=5)
     finally:
         router.close()
-    assert not out.ok and "abandoned by the router: client left" in out.reason
+    assert (out.ok, out.cause) == (False, "abandoned"), out
+    assert "abandoned by the router: client left" in out.reason
     assert time.monotonic() - start < 1.0
     assert_idle(prefill, decode)
 
@@ -162,10 +163,10 @@ def test_router_abandon_before_prefill_finishes_fails_decode_and_frees_the_late_
         out_d = decode.wait(fd, timeout_s=5)
     finally:
         router.close()
-    assert not out_d.ok and "abandoned by the router" in out_d.reason
+    assert (out_d.ok, out_d.cause) == (False, "abandoned") and "abandoned" in out_d.reason
     start = time.monotonic()
     out_p = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=5)
-    assert not out_p.ok and "already ended" in out_p.reason
+    assert (out_p.ok, out_p.cause) == (False, "abandoned") and "already ended" in out_p.reason
     assert time.monotonic() - start < 1.0
     assert_idle(prefill, decode)
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.request import RequestStatus
 
+from kvpush.transfer.wire import Failure
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.scheduler import PushScheduler
@@ -81,7 +82,7 @@ def test_failed_matching_fails_the_load_and_frees_prefill_at_once():
     assert cancel == m.Cancel(None, cancel.key, cancel.prefill) and cancel.key.transfer_id == "t1"
     s.update_state_after_alloc(r, blocks(1, 2), 100)
     (refuse,) = actions(s)
-    assert refuse == m.Refuse("r1", "matching failed: RuntimeError('boom')", "hook")
+    assert refuse == m.Refuse("r1", Failure("hook", "matching failed: RuntimeError('boom')"))
     s.update_connector_output(output(recving={"r1"}))  # the worker reports it failed
     s.request_finished(request(DECODE_PARAMS, RequestStatus.FINISHED_ERROR), [1, 2])
     assert_nothing_held(s)
@@ -99,7 +100,7 @@ def test_failed_registration_of_a_claimed_load_fails_it_instead_of_waiting():
     assert s.get_num_new_matched_tokens(r, 0) == (100, True)
     s.alloc_failed(r, RuntimeError("boom"))
     refuse, cancel = actions(s)
-    assert refuse == m.Refuse("r1", "registration failed: RuntimeError('boom')", "hook")
+    assert refuse == m.Refuse("r1", Failure("hook", "registration failed: RuntimeError('boom')"))
     assert isinstance(cancel, m.Cancel) and cancel.req_id is None
     s.update_connector_output(output(recving={"r1"}))
     s.request_finished(request(DECODE_PARAMS, RequestStatus.FINISHED_ERROR), [1, 2])
@@ -118,7 +119,7 @@ def test_failed_finish_on_prefill_aborts_the_transfer_or_keeps_a_queued_push():
     assert s.finish_failed(done, RuntimeError("boom")) == (False, None)  # vLLM frees the blocks
     (abort,) = actions(s)
     assert isinstance(abort, m.Abort) and abort.key.transfer_id == "t1"
-    assert "request_finished failed" in abort.reason
+    assert abort.failure.cause == "hook" and "request_finished failed" in abort.failure.reason
     s.request_finished(request(done.kv_transfer_params, done.status, "r2", [7]), [3])
     assert s.finish_failed(request(rid="r2"), RuntimeError("late")) == (True, None)  # queued
     s.update_connector_output(output(sending={"r2"}))
@@ -161,6 +162,7 @@ def test_injected_faults_fire_only_with_debug_faults_and_step_faults_once():
 
 def test_the_worker_counts_a_hook_failure_by_its_cause():
     worker = PushWorker(scheduler().config, None)
-    worker.start([m.Refuse("r1", "registration failed", "hook"), m.Refuse("r2", "bad", "refused")])
+    refusals = [Failure("hook", "registration failed"), Failure("refused", "bad")]
+    worker.start([m.Refuse(rid, f) for rid, f in zip(("r1", "r2"), refusals, strict=True)])
     assert worker.results() == (set(), {"r1", "r2"}, {"r1", "r2"})
     assert worker.take_stats().data["failures"] == {"hook": 1, "refused": 1}

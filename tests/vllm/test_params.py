@@ -45,15 +45,18 @@ def test_without_transfer_id_the_key_is_the_router_request_id_exactly():
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ("x", "must be an object"),
-        ({"do_remote_prefill": "yes"}, "do_remote_prefill must be bool"),
+        ("x", "kv_transfer_params: expected `object`, got `str`"),
+        ({"do_remote_prefill": "yes"}, "do_remote_prefill: expected `bool`, got `str`"),
         ({"do_remote_prefill": True, "do_remote_decode": True}, "both true"),
-        ({"do_remote_decode": True, "transfer_id": ""}, "must not be empty"),
+        (
+            {"do_remote_decode": True, "transfer_id": ""},
+            "transfer_id: expected `str` of length",
+        ),
         ({"do_remote_decode": True, "pp_size": 2}, "pp_size=2"),
         (DECODE | {"remote_host": None}, "remote_host is required"),
-        (DECODE | {"remote_port": 70000}, "remote_port must be a port"),
-        (DECODE | {"remote_port": True}, "remote_port must be int"),
-        (DECODE | {"tp_size": 0}, "tp_size must be >= 1"),
+        (DECODE | {"remote_port": 70000}, "remote_port: expected `int` <= 65535"),
+        (DECODE | {"remote_port": True}, "remote_port: expected `int \\| null`, got `bool`"),
+        (DECODE | {"tp_size": 0}, "tp_size: expected `int` >= 1"),
     ],
 )
 def test_bad_params_name_the_field(params, message):

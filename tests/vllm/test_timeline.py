@@ -21,8 +21,8 @@ def test_prefill_phases_from_marks_and_missing_marks_skip_their_phase():
 
 def test_stats_carry_phases_across_ranks():
     a, b = KVPushStats(), KVPushStats()
-    a.record(True, "", 10, 1, 0.01, {"register": 0.001, "wait_writes": 0.02})
-    b.record(True, "", 10, 1, 0.01, {"wait_writes": 0.03})
+    a.record(True, 10, 1, 0.01, {"register": 0.001, "wait_writes": 0.02})
+    b.record(True, 10, 1, 0.01, {"wait_writes": 0.03})
     merged = a.aggregate(b)
     assert merged.data["phases_s"] == {"register": [0.001], "wait_writes": [0.02, 0.03]}
     assert not merged.is_empty()
