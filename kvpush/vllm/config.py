@@ -89,9 +89,10 @@ class ConnectorConfig:
         try:
             extra = msgspec.convert(dict(kv.kv_connector_extra_config or {}), ExtraConfig)
         except msgspec.ValidationError as e:
-            known = ", ".join(ExtraConfig.__struct_fields__)
             message = validation_error(e, "kv_connector_extra_config")
-            raise ValueError(f"{message} (known: {known})") from None
+            if "unknown field" in message:
+                message += f" (known: {', '.join(ExtraConfig.__struct_fields__)})"
+            raise ValueError(message) from None
         is_prefill = roles[kv.kv_role]
         port = extra.side_channel_port
         if port is None:
