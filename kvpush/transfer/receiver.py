@@ -56,6 +56,7 @@ class _Expected:
     failure: wire.Failure | None = None
     marks: dict[str, float] = field(default_factory=dict)  # see Outcome.marks
     first_token: int = -1
+    engine_id: str | None = None  # the prefill engine the router named, checked per link
 
 
 class DecodeEndpoint(Endpoint):
@@ -64,7 +65,6 @@ class DecodeEndpoint(Endpoint):
     def __init__(self, config, layout) -> None:  # type: ignore[no-untyped-def]
         self._expected: dict[wire.TransferKey, _Expected] = {}
         self._hello_sent: set[str] = set()
-        self._engine_ids: dict[str, str] = {}  # prefill address -> engine id the router named
         # Keys that ended lately, bounded: a WRITE's notification may still arrive for one of
         # them (prefill's CANCEL_ACK, sent once that WRITE completed, can overtake it).
         self._ended: OrderedDict[wire.TransferKey, None] = OrderedDict()
@@ -121,6 +121,7 @@ class DecodeEndpoint(Endpoint):
             for p in writer_heads(rank_heads(d, decode_tp, total), prefill.tp_size, total):
                 counts[p] = counts.get(p, 0) + 1
         exp = _Expected(Future(), len(block_ids), time.monotonic(), {}, set(), {}, {})
+        exp.engine_id = prefill.engine_id
         exp.marks["expected"] = exp.started_s
         for p_rank, heads in plan.items():
             address = prefill.rank_address(p_rank)
@@ -131,8 +132,6 @@ class DecodeEndpoint(Endpoint):
             exp.registrations[p_rank] = reg
             exp.remaining.add(address)
             exp.unsent[address] = reg
-            if prefill.engine_id is not None:
-                self._engine_ids[address] = prefill.engine_id
         self._expected[key] = exp
         for address in list(exp.unsent):
             self._flush(address)
@@ -150,11 +149,22 @@ class DecodeEndpoint(Endpoint):
                 self._send(link, hello)
                 self._hello_sent.add(address)
             return
-        for exp in self._expected.values():
+        for key, exp in list(self._expected.items()):
             reg = exp.unsent.pop(address, None)
-            if reg is not None:
-                self._send(link, reg)
-                exp.marks.setdefault("registered", time.monotonic())
+            if reg is None:
+                continue
+            if exp.engine_id is not None and exp.engine_id != link.peer.engine_id:
+                # Checked for every transfer, not once per link: the link may have been
+                # made for another request that named the right engine.
+                why = wire.Failure(
+                    "handshake",
+                    f"wrong prefill engine at {address}: the router named {exp.engine_id!r}, "
+                    f"it is {link.peer.engine_id!r}",
+                )
+                self._complete(key, address, why)
+                continue
+            self._send(link, reg)
+            exp.marks.setdefault("registered", time.monotonic())
 
     def _on_cancel(self, key: wire.TransferKey, prefill: PrefillAddress | None) -> Future:
         exp = self._expected.get(key)
@@ -197,17 +207,6 @@ class DecodeEndpoint(Endpoint):
                     exp.unsent.pop(link.address)
                     refused = wire.Failure("handshake", f"handshake refused: {ack.error}")
                     self._complete(key, link.address, refused)
-            return
-        named = self._engine_ids.get(link.address)
-        if named is not None and named != ack.peer.engine_id:
-            why = wire.Failure(
-                "handshake",
-                f"wrong prefill engine at {link.address}: the router named {named!r}, "
-                f"it is {ack.peer.engine_id!r}",
-            )
-            for key, exp in list(self._expected.items()):
-                if exp.unsent.pop(link.address, None) is not None:
-                    self._complete(key, link.address, why)
             return
         link.peer, link.dropped = ack.peer, False
         self._flush(link.address)

@@ -179,6 +179,26 @@ def test_handshake_refuses_a_mismatch_naming_both_values(
     assert_idle(prefill, decode)
 
 
+def test_a_wrong_prefill_engine_id_fails_each_transfer_that_names_it(sides):
+    """Checked per transfer, not once per link: the third transfer reuses the link the
+    second one made, naming the right engine, and must still fail at once."""
+    port = free_port()
+    prefill = sides("prefill", prefill_config(port))
+    decode = sides("decode", decode_config())
+    for named in ("other", "prefill-a", "other"):
+        key = new_key()
+        address = PrefillAddress("127.0.0.1", port, engine_id=named)
+        fd = decode.call("expect", key, address, [1, 2], 32)
+        if named == "prefill-a":
+            assert prefill.wait(prefill.call("push", key, [1, 2], 32), timeout_s=5).ok
+            assert decode.wait(fd, timeout_s=5).ok
+            continue
+        out = decode.wait(fd, timeout_s=1)  # at once, not at prefill's lease (3 s)
+        assert (out.ok, out.cause) == (False, "handshake"), out
+        assert "the router named 'other', it is 'prefill-a'" in out.reason, out.reason
+    assert_idle(prefill, decode)
+
+
 @pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16)])
 def test_block_size_mismatch_lands_token_exact(sides, src_bs, dst_bs):
     check_block_sizes(sides, src_bs, dst_bs)
