@@ -185,13 +185,18 @@ def _cuda_available() -> bool:
 
 
 def wait_http(
-    url: str, timeout_s: float, proc: subprocess.Popen | None = None, what: str = ""
+    url: str,
+    timeout_s: float,
+    proc: subprocess.Popen | list[subprocess.Popen] | None = None,
+    what: str = "",
 ) -> None:
-    """Poll `url` until it answers 200; fail early if `proc` exits."""
+    """Poll `url` until it answers 200; fail early if `proc` (or any of a list) exits."""
+    procs = proc if isinstance(proc, list) else [proc] if proc is not None else []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what or url} exited with {proc.returncode}")
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what or url} (pid {p.pid}) exited with {p.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

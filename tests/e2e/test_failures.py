@@ -22,6 +22,7 @@ from tests.e2e.client import (
     body,
     decode_params,
     disagg,
+    plain,
     post,
     prefill_params,
     session,
@@ -51,6 +52,21 @@ def victims(tiny_model):
 @pytest.fixture
 def fpair(victims):
     return as_pair(victims["prefill"], victims["decode"])
+
+
+def assert_failed_for(engine, tid: str, *causes: str, timeout_s: float = 5.0) -> None:
+    """The engine logged transfer `tid` as failed for one of `causes` (wire.CAUSES): the
+    test's 500 was this failure and not some other."""
+    wanted = [f"transfer {tid}#0 failed ({cause})" for cause in causes]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = engine.log_path.read_text(errors="replace")
+        if any(w in text for w in wanted):
+            return
+        if time.monotonic() > deadline:
+            mine = [ln for ln in text.splitlines() if tid in ln]
+            raise AssertionError(f"{engine.spec.name} logged none of {wanted}; its lines: {mine}")
+        time.sleep(0.1)
 
 
 def decode_leg(c, pair, tid, p, stream=True):
@@ -90,7 +106,7 @@ def test_decode_abort_at_any_moment_frees_both_within_2s(fpair, after_s):
     wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
 
 
-def test_prefill_abort_fails_decode_within_1s(fpair):
+def test_prefill_abort_fails_decode_within_1s(fpair, victims):
     async def go():
         async with session() as c:
             # ~310 prefill steps of 64 tokens, a few seconds: at 3,000 tokens (47 steps, about
@@ -102,23 +118,27 @@ def test_prefill_abort_fails_decode_within_1s(fpair):
             aborted = time.monotonic()
             with pytest.raises(aiohttp.ClientResponseError) as err:
                 await decode
-            return time.monotonic() - aborted, err.value
+            return tid, time.monotonic() - aborted, err.value
 
-    took, response = asyncio.run(go())
+    tid, took, response = asyncio.run(go())
     assert response.status == 500
     assert took < 1.0, f"decode learned of the prefill abort after {took:.2f} s"
+    assert_failed_for(victims["decode"], tid, "aborted")
     wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
 
 
-def test_decode_that_never_registers_is_freed_by_the_lease(fpair):
+def test_decode_that_never_registers_is_freed_by_the_lease(fpair, victims):
+    tid = uuid.uuid4().hex
+
     async def go():
         async with session() as c:
-            await prefill_leg(c, fpair, uuid.uuid4().hex, tokens(200, 4))
+            await prefill_leg(c, fpair, tid, tokens(200, 4))
             return time.monotonic()
 
     done = asyncio.run(go())
     took = wait_usage_zero(fpair.prefill_url, timeout_s=LEASE_S + 3)
     assert LEASE_S - 1 < time.monotonic() - done < LEASE_S + 3, took
+    assert_failed_for(victims["prefill"], tid, "lease")
     wait_idle(fpair.prefill_url, fpair.decode_url, timeout_s=2)
 
 
@@ -152,24 +172,28 @@ def test_prompt_lists_and_n_are_refused_in_push_mode(fpair):
     assert r.status_code == 400 and "n=2" in r.text
 
 
-def test_wrong_prefill_engine_id_fails_the_request_clearly(fpair):
+def test_wrong_prefill_engine_id_fails_the_request_clearly(fpair, victims):
+    tid = uuid.uuid4().hex
+
     async def go():
         async with session() as c:
-            params = decode_params(fpair, uuid.uuid4().hex) | {"remote_engine_id": "other"}
+            params = decode_params(fpair, tid) | {"remote_engine_id": "other"}
             b = body(tokens(100, 5), 4, kv_transfer_params=params)
             async with c.post(fpair.decode_url + "/v1/completions", json=b) as r:
                 return r.status
 
     assert asyncio.run(go()) == 500
+    assert_failed_for(victims["decode"], tid, "handshake")
     wait_idle(fpair.decode_url, timeout_s=2)
 
 
-def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(victims, tiny_model):
+def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(victims, mono_url):
     pair = as_pair(victims["prefill"], victims["decode"])
+    tid = uuid.uuid4().hex
 
     async def go():
         async with session() as c:
-            tid, p = uuid.uuid4().hex, tokens(200, 6)
+            p = tokens(200, 6)
             decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
             await asyncio.sleep(1.0)  # registered with prefill, which never runs the leg
             victims["prefill"].kill()
@@ -179,6 +203,7 @@ def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(vic
             return time.monotonic() - killed
 
     assert asyncio.run(go()) < 10.0
+    assert_failed_for(victims["decode"], tid, "dead")
     wait_idle(pair.decode_url, timeout_s=2)
     # A new prefill engine on the same side-channel port: decode serves through it.
     spec = victims["prefill"].spec
@@ -187,18 +212,22 @@ def test_killed_prefill_fails_waiting_decode_within_10s_and_decode_serves_on(vic
 
     async def again():
         async with session() as c:
-            return await disagg(c, pair, tokens(100, 7), 8)
+            p = tokens(100, 7)
+            want = await plain(c, mono_url, p, 8)
+            return want, await disagg(c, pair, p, 8)
 
-    assert asyncio.run(again())["choices"][0]["text"]
+    want, got = asyncio.run(again())
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=2)
 
 
 def test_killed_decode_frees_prefill_blocks_within_10s(victims):
     pair = as_pair(victims["prefill"], victims["decode"])
+    tid = uuid.uuid4().hex
 
     async def go():
         async with session() as c:
-            tid, p = uuid.uuid4().hex, tokens(200, 8)
+            p = tokens(200, 8)
             decode = asyncio.ensure_future(decode_leg(c, pair, tid, p, stream=False))
             await asyncio.sleep(1.0)  # decode registered; prefill has not started
             victims["decode"].kill()
@@ -211,3 +240,5 @@ def test_killed_decode_frees_prefill_blocks_within_10s(victims):
     killed = asyncio.run(go())
     wait_usage_zero(pair.prefill_url, timeout_s=10)
     assert time.monotonic() - killed < 10.0
+    # Prefill saw decode die (its heartbeats stop) or its WRITE fail, whichever came first.
+    assert_failed_for(victims["prefill"], tid, "dead", "write")

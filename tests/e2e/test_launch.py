@@ -16,26 +16,12 @@ import time
 import httpx
 import pytest
 
-from kvpush.launch.engine import group_alive, stop_group
+from kvpush.launch.engine import group_alive, stop_group, wait_http
 from tests.e2e.conftest import free_port
 from tests.servers import free_port as free_proxy_port
 
 pytestmark = pytest.mark.e2e
 KVPUSH = [sys.executable, "-m", "kvpush.cli"]
-
-
-def wait_health(url: str, procs: list[subprocess.Popen], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            assert p.poll() is None, f"a process exited with {p.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -78,7 +64,7 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
                 subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
         for port in ports.values():
-            wait_health(f"http://127.0.0.1:{port}", procs)
+            wait_http(f"http://127.0.0.1:{port}/health", 600, procs)
         first_line = (tmp_path / "prefill.log").read_text().splitlines()[0]
         assert first_line.startswith("kvpush serve: VLLM_CPU_KVCACHE_SPACE=1")
         assert "--block-size 32" in first_line and "VLLM_CPU_OMP_THREADS_BIND=0" in first_line
@@ -101,7 +87,7 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
         )
         procs.append(proxy)
         url = f"http://127.0.0.1:{proxy_port}"
-        wait_health(url, procs, timeout_s=60)
+        wait_http(url + "/health", 60, procs)
         request = {
             "model": "tiny",
             "prompt": "Hello there",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 from dataclasses import replace
@@ -17,7 +16,7 @@ import pytest
 
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
-from tests.e2e.client import body, metric_samples, plain, post, session, text_of, wait_idle
+from tests.e2e.client import body, metric_samples, plain, post, session, text_of, tokens, wait_idle
 from tests.e2e.conftest import free_port, pair_specs, start
 from tests.servers import run_server
 
@@ -45,8 +44,7 @@ def info(engine) -> EngineInfo:
 
 
 def prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 4096) for _ in range(PROMPT_TOKENS)] for _ in range(NUM_REQUESTS)]
+    return [tokens(PROMPT_TOKENS, seed * 1000 + i) for i in range(NUM_REQUESTS)]
 
 
 def kill_while_waiting(victim, prefills, decode, mono_url: str, seed: int) -> dict[str, float]:
