@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         tuple(args.vllm_arg),
         args.pin_cores,
         json.loads(args.connector_extra),
+        args.qps,
     )
 
 
@@ -150,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     bttft.add_argument("--num-requests", type=int, default=8)
     bttft.add_argument("--prompt-tokens", type=int, default=300)
     bttft.add_argument("--output-tokens", type=int, default=64)
+    bttft.add_argument(
+        "--qps",
+        type=float,
+        default=math.inf,
+        help="space the requests at this rate (Poisson, one at a time); default back to back",
+    )
     bttft.add_argument(
         "--vllm-arg",
         action="append",

@@ -1,10 +1,16 @@
 """`kvpush bench ttft`: one streamed request at a time, as a new user tries the stack.
 
-The same prompts go through the proxy (kvpush 1P1D), straight to the prefill engine, straight
-to the decode engine (which then computes the prompt itself), and to one plain engine. Medians
+Prompts of the same length go through the proxy (kvpush 1P1D), straight to the prefill
+engine, straight to the decode engine (which then computes the prompt itself), and to one
+plain engine. The proxy and the plain engine get the same prompts; prefill and decode each get
+prompts of their own, since the proxy's would hit their prefix caches. Medians
 of TTFT and TPOT for each, and of the proxy's timeline phases (its /timelines), above all the
 push tail: prefill's answer at the proxy to decode's first token at the proxy.
 `--vllm-arg` adds an argument to every engine, so engine settings are compared run by run.
+`--qps` spaces the requests (Poisson arrivals, still one at a time). Back to back (the
+default) every request finds the engines' shared-memory readers still spinning from the last
+one (vLLM's multiprocess executor spins 1 s after each read), which on two cores slows the
+engine that is working; spaced requests measure an idle stack, as at the lowest load.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +89,7 @@ def main(
     vllm_args: tuple[str, ...] = (),
     pin_cores: bool = True,
     connector_extra: dict | None = None,
+    qps: float = math.inf,
 ) -> int:
     from kvpush.bench.serve import hardware
     from kvpush.launch import tinymodel
@@ -90,11 +98,12 @@ def main(
     from kvpush.settings import SETTINGS
 
     model = str(tinymodel.ensure())
-    # the same prompts (the same seed) to every target, one at a time
-    load = Load(math.inf, prompt_tokens, output_tokens, num_requests, max_concurrency=1)
+    # one at a time; seed 0 for the proxy and the plain engine
+    load = Load(qps, prompt_tokens, output_tokens, num_requests, max_concurrency=1)
     log_dir = SETTINGS.cache_dir / "logs"
     result: dict = {"benchmark": "ttft", "num_requests": num_requests, "vllm_args": vllm_args}
     result["pin_cores"], result["connector_extra"] = pin_cores, connector_extra or {}
+    result["qps"] = None if math.isinf(qps) else qps  # None: back to back
     result |= {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
     engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores}
@@ -104,11 +113,11 @@ def main(
     stack.start()
     try:
         targets = {"proxy": stack.url, "prefill": specs[0].url, "decode": specs[1].url}
-        for name, url in targets.items():
+        for seed, (name, url) in enumerate(targets.items()):
             vllm_bench.warm_up(url, model, "tiny", prompt_tokens, output_tokens)
             engines = (targets["prefill"], targets["decode"])
             before = [asyncio.run(engine_phases(u)) for u in engines]
-            result[name] = _summary(_sequential(url, model, load))
+            result[name] = _summary(_sequential(url, model, replace(load, seed=seed)))
             if name == "proxy":
                 time.sleep(1)  # the engines' stats reach /metrics with their next steps
                 after = [asyncio.run(engine_phases(u)) for u in engines]
@@ -138,6 +147,8 @@ def main(
     print(f"  engine phases (means): {result['engine_phases_mean_ms']}")
     tail = result["proxy_phases_median_ms"].get("push_tail")
     print(f"push tail median (prefill's answer -> first token, at the proxy): {tail:.1f} ms")
+    ratio = result["proxy"]["median_ttft_ms"] / result["mono"]["median_ttft_ms"]
+    print(f"TTFT median, kvpush / one plain engine: {ratio:.2f}x")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
