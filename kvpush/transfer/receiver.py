@@ -56,7 +56,7 @@ class _Expected:
     failure: wire.Failure | None = None
     marks: dict[str, float] = field(default_factory=dict)  # see Outcome.marks
     first_token: int = -1
-    engine_id: str | None = None  # the prefill engine the router named, checked per link
+    engine_id: str | None = None  # the prefill engine the router named: checked in _flush
 
 
 class DecodeEndpoint(Endpoint):
