@@ -12,6 +12,10 @@ several repeats:
   (push: enqueue only; pull: descriptor build and post);
 - d2d_copy_ms (CUDA only): one device-to-device copy of the same number of bytes on the one
   GPU, the ceiling for any transfer between two processes on it.
+- with `--device cuda`, the candidates for scattered blocks (issue 12), on the same blocks:
+  raw_prepped_write_ms (NIXL's prepared descriptor lists, prepared untimed),
+  gather_ms / scatter_ms (a staged transfer's device steps, one batched-copy kernel), and
+  staged_estimate_ms (gather + the contiguous raw WRITE of the same bytes + scatter).
 
 Shapes: on DRAM, one region with block sizes from 4 KiB to 1 MiB; with `--device cuda`, the
 KV of one tensor-parallel rank of Qwen3-32B at TP 8 (64 layers, K and V in separate
@@ -62,6 +66,8 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
 
     memory = Memory(spec, seed)
     layout = spec.build(memory.addresses())
+    if memory.cuda:
+        _TENSORS.update(zip(memory.addresses(), memory.regions, strict=True))
     agent = Agent(name)
     agent.register(layout)
     conn.send((agent.metadata(), layout))
@@ -77,6 +83,13 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
             conn.send(agent.add_remote(args))
             continue
         op, remote, remote_layout, src_ids, dst_ids, num_tokens = args
+        if op in ("GATHER", "SCATTER"):
+            conn.send(_staging_copy(op, layout, remote_layout, src_ids, dst_ids, num_tokens))
+            continue
+        if op == "WRITE_PREPPED":
+            plan = plan_copies(layout, remote_layout, src_ids, dst_ids, 0, num_tokens)
+            conn.send(_prepped_write(agent, remote, plan, layout.mem_type))
+            continue
         t0 = time.perf_counter()
         if op == "READ":  # pull: the remote holds the source
             plan = plan_copies(remote_layout, layout, src_ids, dst_ids, 0, num_tokens)
@@ -102,6 +115,83 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
                 "descs": plan.num_descs,
             }
         )
+
+
+def _prepped_write(agent: Any, remote: str, plan: Any, mem: str) -> dict:
+    """Candidate: NIXL's prepared descriptor lists. Both lists are prepared beforehand (a
+    connector would do it once per registration); timed: make_prepped_xfer by index, post,
+    completion."""
+    import numpy as np
+
+    local_descs, remote_descs = plan.descs(0, 0)
+    nixl = agent._agent
+    local = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, mem)
+    far = nixl.prep_xfer_dlist(remote, remote_descs, mem)
+    idx = np.arange(plan.num_descs, dtype=np.int32)
+    t0 = time.perf_counter()
+    handle = nixl.make_prepped_xfer("WRITE", local, idx, far, idx)
+    state = nixl.transfer(handle)
+    while state == "PROC":
+        state = nixl.check_xfer_state(handle)
+    total_ms = (time.perf_counter() - t0) * 1e3
+    nixl.release_xfer_handle(handle)
+    nixl.release_dlist_handle(local)
+    nixl.release_dlist_handle(far)
+    return {"ok": state == "DONE", "total_ms": total_ms, "descs": plan.num_descs}
+
+
+def _staging_copy(
+    op: str, local: Any, remote: Any, src_ids: list, dst_ids: list, num_tokens: int
+) -> dict:
+    """Candidate: a staged transfer's device-side steps, on this process's GPU. GATHER packs
+    the prefill rows of the copy plan into one staging buffer (prefill's step before one
+    contiguous WRITE); SCATTER unpacks a staging buffer into the decode rows (decode's step
+    after it). One kernel launch (kvpush.transfer.batchcopy), timed with CUDA events."""
+    import numpy as np
+    import torch
+
+    from kvpush.transfer.batchcopy import copy_rows
+    from kvpush.transfer.layout import plan_copies
+
+    if op == "GATHER":
+        plan = plan_copies(local, remote, src_ids, dst_ids, 0, num_tokens)
+        rows = plan.src_addrs
+    else:
+        plan = plan_copies(remote, local, src_ids, dst_ids, 0, num_tokens)
+        rows = plan.dst_addrs
+    staging = torch.empty(plan.total_bytes, dtype=torch.uint8, device="cuda")
+    packed = staging.data_ptr() + np.concatenate([[0], np.cumsum(plan.num_bytes)[:-1]])
+    src, dst = (rows, packed) if op == "GATHER" else (packed, rows)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    copy_rows(src, dst, plan.num_bytes)
+    end.record()
+    end.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    ok = True
+    if op == "GATHER":  # byte-exact against torch, for the first and last rows
+        for i in (0, plan.num_descs - 1):
+            n = int(plan.num_bytes[i])
+            region = _region_of(local, int(rows[i]))
+            want = _device_bytes(region, int(rows[i]), n)
+            got = staging[int(packed[i]) - staging.data_ptr() :][:n]
+            ok = ok and bool(torch.equal(want, got))
+    del staging
+    return {"ok": ok, "kernel_ms": start.elapsed_time(end), "wall_ms": wall_ms}
+
+
+_TENSORS: dict[int, Any] = {}  # region base address -> the child's tensor (set by the child)
+
+
+def _region_of(layout: Any, addr: int) -> int:
+    bases = sorted(r.base_addr for r in layout.regions)
+    return max(b for b in bases if b <= addr)
+
+
+def _device_bytes(base: int, addr: int, n: int) -> Any:
+    return _TENSORS[base][addr - base : addr - base + n]
 
 
 class RawSide:
@@ -172,6 +262,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
     raw_p_name = raw_d.call("add_remote", raw_p.metadata)
     address = PrefillAddress("127.0.0.1", port)
     rows = []
+    contiguous_write: dict[int, float] = {}  # raw WRITE ms of n contiguous blocks
     try:
         for pattern in ("contiguous", "fragmented"):
             for n in counts:
@@ -188,8 +279,6 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                     pull = raw_d.call("op", ("READ", raw_p_name, raw_p.layout, ids, ids, tokens))
                     write = raw_p.call("op", ("WRITE", raw_d_name, raw_d.layout, ids, ids, tokens))
                     assert pull["ok"] and write["ok"]
-                    if r == 0:
-                        continue
                     sample = {
                         "push_ms": out_p.elapsed_s * 1e3,
                         "push_caller_blocked_ms": blocked_s * 1e3,
@@ -197,11 +286,22 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         "pull_caller_blocked_ms": pull["caller_blocked_ms"],
                         "raw_write_ms": write["total_ms"],
                     }
+                    if spec.device != "cpu":  # the candidates of issue 12
+                        sample |= _candidates(raw_p, raw_d, raw_d_name, ids, tokens)
+                    if r == 0:
+                        continue
                     for name, value in sample.items():
                         runs.setdefault(name, []).append(value)
                 num_bytes = n * block_bytes * spec.num_regions
                 if spec.device != "cpu":
                     runs["d2d_copy_ms"] = [_d2d_copy_ms(num_bytes, repeats)]
+                    if pattern == "contiguous":
+                        contiguous_write[n] = statistics.median(runs["raw_write_ms"])
+                    # Staged: gather + one contiguous WRITE of the same bytes + scatter.
+                    runs["staged_estimate_ms"] = [
+                        g + contiguous_write[n] + sc
+                        for g, sc in zip(runs["gather_ms"], runs["scatter_ms"], strict=True)
+                    ]
                 row = {
                     "block_bytes": block_bytes,
                     "num_regions": spec.num_regions,
@@ -227,6 +327,21 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, tokens: int) -> dict:
+    """One sample of each issue-12 candidate for the same blocks as the push."""
+    prepped = raw_p.call("op", ("WRITE_PREPPED", raw_d_name, raw_d.layout, ids, ids, tokens))
+    gather = raw_p.call("op", ("GATHER", None, raw_d.layout, ids, ids, tokens))
+    scatter = raw_d.call("op", ("SCATTER", None, raw_p.layout, ids, ids, tokens))
+    assert prepped["ok"] and gather["ok"] and scatter["ok"], (prepped, gather, scatter)
+    return {
+        "raw_prepped_write_ms": prepped["total_ms"],
+        "gather_ms": gather["kernel_ms"],
+        "gather_wall_ms": gather["wall_ms"],
+        "scatter_ms": scatter["kernel_ms"],
+        "scatter_wall_ms": scatter["wall_ms"],
+    }
+
+
 HEADER = (
     f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'pull ms':>8} {'raw ms':>8} "
     f"{'descs':>6} {'push blk ms':>11} {'pull blk ms':>11} {'GB/s':>6} {'d2d ms':>7}"
@@ -243,6 +358,13 @@ def _print_row(r: dict) -> None:
         f"{'-' if d2d is None else f'{d2d:.3f}':>7}",
         flush=True,
     )
+    if "staged_estimate_ms_median" in r:
+        print(
+            f"{'':>8}candidates: prepped WRITE {r['raw_prepped_write_ms_median']:.2f} ms, "
+            f"gather {r['gather_ms_median']:.3f} ms + scatter {r['scatter_ms_median']:.3f} ms "
+            f"(kernels), staged {r['staged_estimate_ms_median']:.2f} ms",
+            flush=True,
+        )
 
 
 UCX_TRANSPORT = re.compile(

@@ -279,3 +279,4 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         wait_group_gone(self.proc.pid, 10)
+        self._log.close()

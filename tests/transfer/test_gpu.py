@@ -108,3 +108,33 @@ def test_cuda_tp1_prefill_to_tp2_decode_splits_heads(sides):
 
 def test_cuda_tp2_prefill_to_tp1_decode_gathers_heads(sides):
     tp2_to_tp1(sides, device="cuda")
+
+
+def test_batch_copy_kernel_moves_scattered_rows_byte_exact():
+    """The gather/scatter kernel of the staged candidate (issue 12) against torch slicing:
+    rows of mixed lengths and alignments, into a packed buffer and back out."""
+    import numpy as np
+    import torch
+
+    from kvpush.transfer.batchcopy import copy_rows, word_size
+
+    rng = np.random.default_rng(5)
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    for word in (8, 1):
+        starts = rng.choice(np.arange(0, (1 << 20) - 8192, 4096), 64, replace=False)
+        lengths = rng.integers(1, 512, 64) * word
+        starts = starts + (0 if word == 8 else 3)
+        packed = torch.zeros(int(lengths.sum()), dtype=torch.uint8, device="cuda")
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        copy_rows(src.data_ptr() + starts, packed.data_ptr() + offsets, lengths)
+        back = torch.zeros_like(src)
+        copy_rows(packed.data_ptr() + offsets, back.data_ptr() + starts, lengths)
+        torch.cuda.synchronize()
+        assert word_size(starts, offsets, lengths) == word
+        for s, o, n in zip(starts, offsets, lengths, strict=True):
+            assert torch.equal(packed[o : o + n], src[s : s + n])
+            assert torch.equal(back[s : s + n], src[s : s + n])
+        outside = torch.ones_like(src, dtype=torch.bool)
+        for s, n in zip(starts, lengths, strict=True):
+            outside[s : s + n] = False
+        assert not back[outside].any(), "the scatter wrote outside its rows"
