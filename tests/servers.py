@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import psutil
-import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -72,6 +71,8 @@ def run_server(app: Any, port: int | None = None) -> Iterator[str]:
         with _run_aiohttp(app, port):
             yield f"http://127.0.0.1:{port}"
         return
+    import uvicorn  # here, not at the top: the GPU host runs the transfer tests without it
+
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
