@@ -15,8 +15,8 @@ import triton.language as tl
 
 
 @triton.jit
-def rows_loop(src_ptr, dst_ptr, len_ptr, CHUNK: tl.constexpr):
-    row = tl.program_id(0)
+def copy_row(src_ptr, dst_ptr, len_ptr, row, CHUNK: tl.constexpr):
+    """Row `row` of the plan, in CHUNK-element pieces of 8 bytes."""
     src = tl.load(src_ptr + row).to(tl.pointer_type(tl.int64))
     dst = tl.load(dst_ptr + row).to(tl.pointer_type(tl.int64))
     n = tl.load(len_ptr + row) // 8
@@ -28,20 +28,18 @@ def rows_loop(src_ptr, dst_ptr, len_ptr, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def rows_loop(src_ptr, dst_ptr, len_ptr, CHUNK: tl.constexpr):
+    # one row per program (the shape kvpush/transfer/batchcopy.py uses)
+    copy_row(src_ptr, dst_ptr, len_ptr, tl.program_id(0), CHUNK)
+
+
+@triton.jit
 def rows_multi(src_ptr, dst_ptr, len_ptr, num_rows, ROWS: tl.constexpr, CHUNK: tl.constexpr):
-    # ROWS rows per program, each row in CHUNK-element pieces
-    pid = tl.program_id(0)
+    # ROWS rows per program
     for i in range(ROWS):
-        row = pid * ROWS + i
+        row = tl.program_id(0) * ROWS + i
         if row < num_rows:
-            src = tl.load(src_ptr + row).to(tl.pointer_type(tl.int64))
-            dst = tl.load(dst_ptr + row).to(tl.pointer_type(tl.int64))
-            n = tl.load(len_ptr + row) // 8
-            offs = tl.arange(0, CHUNK)
-            for start in range(0, n, CHUNK):
-                idx = start + offs
-                m = idx < n
-                tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+            copy_row(src_ptr, dst_ptr, len_ptr, row, CHUNK)
 
 
 @triton.jit

@@ -66,8 +66,6 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
 
     memory = Memory(spec, seed)
     layout = spec.build(memory.addresses())
-    if memory.cuda:
-        _TENSORS.update(zip(memory.addresses(), memory.regions, strict=True))
     agent = Agent(name)
     agent.register(layout)
     conn.send((agent.metadata(), layout))
@@ -84,7 +82,9 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
             continue
         op, remote, remote_layout, src_ids, dst_ids, num_tokens = args
         if op in ("GATHER", "SCATTER"):
-            conn.send(_staging_copy(op, layout, remote_layout, src_ids, dst_ids, num_tokens))
+            conn.send(
+                _staging_copy(op, memory, layout, remote_layout, src_ids, dst_ids, num_tokens)
+            )
             continue
         if op == "WRITE_PREPPED":
             plan = plan_copies(layout, remote_layout, src_ids, dst_ids, 0, num_tokens)
@@ -119,29 +119,27 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
 
 def _prepped_write(agent: Any, remote: str, plan: Any, mem: str) -> dict:
     """Candidate: NIXL's prepared descriptor lists. Both lists are prepared beforehand (a
-    connector would do it once per registration); timed: make_prepped_xfer by index, post,
+    connector would do it once per registration); timed: the WRITE by index, post,
     completion."""
     import numpy as np
 
     local_descs, remote_descs = plan.descs(0, 0)
-    nixl = agent._agent
-    local = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, mem)
-    far = nixl.prep_xfer_dlist(remote, remote_descs, mem)
-    idx = np.arange(plan.num_descs, dtype=np.int32)
+    local, far = agent.prep(None, local_descs, mem), agent.prep(remote, remote_descs, mem)
     t0 = time.perf_counter()
-    handle = nixl.make_prepped_xfer("WRITE", local, idx, far, idx)
-    state = nixl.transfer(handle)
+    handle, state = agent.post_prepped(
+        "WRITE", local, far, np.arange(plan.num_descs, dtype=np.int32)
+    )
     while state == "PROC":
-        state = nixl.check_xfer_state(handle)
+        state = agent.state(handle)
     total_ms = (time.perf_counter() - t0) * 1e3
-    nixl.release_xfer_handle(handle)
-    nixl.release_dlist_handle(local)
-    nixl.release_dlist_handle(far)
+    agent.release(handle)
+    agent.release_prepped(local)
+    agent.release_prepped(far)
     return {"ok": state == "DONE", "total_ms": total_ms, "descs": plan.num_descs}
 
 
 def _staging_copy(
-    op: str, local: Any, remote: Any, src_ids: list, dst_ids: list, num_tokens: int
+    op: str, memory: Any, local: Any, remote: Any, src_ids: list, dst_ids: list, num_tokens: int
 ) -> dict:
     """Candidate: a staged transfer's device-side steps, on this process's GPU. GATHER packs
     the prefill rows of the copy plan into one staging buffer (prefill's step before one
@@ -160,7 +158,8 @@ def _staging_copy(
         plan = plan_copies(remote, local, src_ids, dst_ids, 0, num_tokens)
         rows = plan.dst_addrs
     staging = torch.empty(plan.total_bytes, dtype=torch.uint8, device="cuda")
-    packed = staging.data_ptr() + np.concatenate([[0], np.cumsum(plan.num_bytes)[:-1]])
+    offsets = np.concatenate([[0], np.cumsum(plan.num_bytes)[:-1]])
+    packed = staging.data_ptr() + offsets
     src, dst = (rows, packed) if op == "GATHER" else (packed, rows)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -172,26 +171,13 @@ def _staging_copy(
     wall_ms = (time.perf_counter() - t0) * 1e3
     ok = True
     if op == "GATHER":  # byte-exact against torch, for the first and last rows
+        bases = memory.addresses()
         for i in (0, plan.num_descs - 1):
-            n = int(plan.num_bytes[i])
-            region = _region_of(local, int(rows[i]))
-            want = _device_bytes(region, int(rows[i]), n)
-            got = staging[int(packed[i]) - staging.data_ptr() :][:n]
-            ok = ok and bool(torch.equal(want, got))
-    del staging
+            addr, n, o = int(rows[i]), int(plan.num_bytes[i]), int(offsets[i])
+            r = max((b, k) for k, b in enumerate(bases) if b <= addr)[1]  # its region
+            want = memory.regions[r][addr - bases[r] :][:n]
+            ok = ok and bool(torch.equal(want, staging[o : o + n]))
     return {"ok": ok, "kernel_ms": start.elapsed_time(end), "wall_ms": wall_ms}
-
-
-_TENSORS: dict[int, Any] = {}  # region base address -> the child's tensor (set by the child)
-
-
-def _region_of(layout: Any, addr: int) -> int:
-    bases = sorted(r.base_addr for r in layout.regions)
-    return max(b for b in bases if b <= addr)
-
-
-def _device_bytes(base: int, addr: int, n: int) -> Any:
-    return _TENSORS[base][addr - base : addr - base + n]
 
 
 class RawSide:

@@ -82,6 +82,19 @@ class Agent:
         handle = self._agent.initialize_xfer(op, local, far, remote, notif)
         return handle, self._agent.transfer(handle)
 
+    def prep(self, remote: str | None, descs: np.ndarray, mem_type: str) -> Any:
+        """A prepared descriptor list of Nx3 (addr, len, dev): local with remote None, else
+        on `remote`. Release it with `release_prepped`."""
+        return self._agent.prep_xfer_dlist(remote or "NIXL_INIT_AGENT", descs, mem_type)
+
+    def post_prepped(self, op: str, local: Any, far: Any, indices: np.ndarray) -> tuple[Any, str]:
+        """Post a WRITE or READ of the prepared lists' rows `indices` (int32), both sides."""
+        handle = self._agent.make_prepped_xfer(op, local, indices, far, indices)
+        return handle, self._agent.transfer(handle)
+
+    def release_prepped(self, dlist: Any) -> None:
+        self._agent.release_dlist_handle(dlist)
+
     def state(self, handle: Any) -> str:
         return self._agent.check_xfer_state(handle)
 

@@ -44,7 +44,9 @@ def _build() -> Any:
 
 def word_size(src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray) -> int:
     """The widest word (8, 4 or 1 bytes) that every address and length is a multiple of."""
-    every = np.bitwise_or.reduce(np.concatenate([src, dst, num_bytes]).astype(np.int64))
+    every = 0
+    for a in (src, dst, num_bytes):
+        every |= int(np.bitwise_or.reduce(np.asarray(a, dtype=np.int64)))
     for word in (8, 4):
         if every % word == 0:
             return word
