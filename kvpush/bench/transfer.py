@@ -1,12 +1,14 @@
 """`kvpush bench transfer`: push vs a pull baseline vs a raw NIXL WRITE, over DRAM or VRAM.
 
-Four child processes per KV shape: a prefill and a decode endpoint (the push path), and
-two raw NIXL agents (the pull baseline and the raw WRITE). Per grid point, medians of
-several repeats:
+Six child processes per KV shape: two pairs of prefill and decode endpoints (the push path,
+with and without the fast poll step), and two raw NIXL agents (the pull baseline and the
+raw WRITE). Per grid point, medians of several repeats:
 - push_ms: prefill hands its blocks over (both sides ready: decode registered first) until
   the WRITE completed and the blocks may be freed; measured inside the prefill process;
 - pull_ms: decode learns the block ids, builds descriptors on its caller thread, posts a
   READ and polls it to completion, as a pull connector does after prefill;
+- push_1ms_step_ms: the same push through a second endpoint pair whose loops keep the 1 ms
+  busy step after a WRITE is posted (`fast_poll_s=0`), in the same run;
 - raw_write_ms: one WRITE of the same bytes with descriptors built beforehand;
 - descs: descriptors posted; caller_blocked_ms: how long the caller's thread was held
   (push: enqueue only; pull: descriptor build and post);
@@ -226,7 +228,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
     """Every grid point for one KV shape; `spec.num_blocks` is sized here."""
     from kvpush.transfer.endpoint import TransferConfig
     from kvpush.transfer.receiver import PrefillAddress
-    from kvpush.transfer.wire import Compat, TransferKey
+    from kvpush.transfer.wire import Compat
 
     block_bytes = spec.block_bytes
     limit = MAX_POINT_BYTES if spec.device == "cpu" else 1 << 40
@@ -235,18 +237,21 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
         return []
     spec = replace(spec, num_blocks=2 * max(counts))  # room for the fragmented pattern
     compat = Compat("push", "bench", "uint8", "bench")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, port_1ms = _free_port(), _free_port()
     cfg = TransferConfig("bench-prefill", compat, side_channel_port=port)
     prefill = Side("prefill", cfg, spec, seed=1)
     decode = Side("decode", replace(cfg, engine_id="bench-decode", side_channel_port=0), spec)
+    slow = replace(cfg, fast_poll_s=0.0, side_channel_port=port_1ms)
+    prefill_1ms = Side("prefill", slow, spec, seed=1)
+    decode_1ms = Side("decode", replace(slow, engine_id="bench-decode", side_channel_port=0), spec)
     raw_p, raw_d = RawSide(spec, 1, "raw-prefill"), RawSide(spec, 2, "raw-decode")
     raw_d_name = raw_p.call("add_remote", raw_d.metadata)
     raw_p_name = raw_d.call("add_remote", raw_p.metadata)
     address = PrefillAddress("127.0.0.1", port)
+    pairs = {
+        "push": (prefill, decode, address),
+        "push_1ms_step": (prefill_1ms, decode_1ms, PrefillAddress("127.0.0.1", port_1ms)),
+    }
     rows = []
     contiguous_write: dict[int, float] = {}  # raw WRITE ms of n contiguous blocks
     try:
@@ -255,19 +260,15 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 ids, tokens = _block_ids(n, pattern), n * spec.block_size
                 runs: dict[str, list[float]] = {}
                 for r in range(repeats + 1):  # the first run warms connections up
-                    key = TransferKey(uuid.uuid4().hex)
-                    fd = decode.call("expect", key, address, ids, tokens)
-                    while prefill.call("gauges")["pending_match"] < 1:
-                        time.sleep(0.0005)
-                    fp, blocked_s = prefill.call("timed", "push", key, ids, tokens)
-                    out_p, out_d = prefill.wait(fp), decode.wait(fd)
-                    assert out_p.ok and out_d.ok, (out_p, out_d)
+                    pushed = {name: _push(*sides, ids, tokens) for name, sides in pairs.items()}
+                    out_p, blocked_s = pushed["push"]
                     pull = raw_d.call("op", ("READ", raw_p_name, raw_p.layout, ids, ids, tokens))
                     write = raw_p.call("op", ("WRITE", raw_d_name, raw_d.layout, ids, ids, tokens))
                     assert pull["ok"] and write["ok"]
                     sample = {
                         "push_ms": out_p.elapsed_s * 1e3,
                         "push_caller_blocked_ms": blocked_s * 1e3,
+                        "push_1ms_step_ms": pushed["push_1ms_step"][0].elapsed_s * 1e3,
                         "pull_ms": pull["total_ms"],
                         "pull_caller_blocked_ms": pull["caller_blocked_ms"],
                         "raw_write_ms": write["total_ms"],
@@ -306,11 +307,33 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 rows.append(row)
                 _print_row(row)
     finally:
-        for side in (prefill, decode):
+        for side in (prefill, decode, prefill_1ms, decode_1ms):
             side.close()
         for raw in (raw_p, raw_d):
             raw.close()
     return rows
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> tuple:
+    """One push, decode registered first: (prefill's outcome, its caller's held seconds)."""
+    from kvpush.transfer.wire import TransferKey
+
+    key = TransferKey(uuid.uuid4().hex)
+    fd = decode.call("expect", key, address, ids, tokens)
+    while prefill.call("gauges")["pending_match"] < 1:
+        time.sleep(0.0005)
+    fp, blocked_s = prefill.call("timed", "push", key, ids, tokens)
+    out_p, out_d = prefill.wait(fp), decode.wait(fd)
+    assert out_p.ok and out_d.ok, (out_p, out_d)
+    return out_p, blocked_s
 
 
 def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, tokens: int) -> dict:
@@ -329,7 +352,8 @@ def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, toke
 
 
 HEADER = (
-    f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'pull ms':>8} {'raw ms':>8} "
+    f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'1ms-step':>8} {'pull ms':>8} "
+    f"{'raw ms':>8} "
     f"{'descs':>6} {'push blk ms':>11} {'pull blk ms':>11} {'GB/s':>6} {'d2d ms':>7}"
 )
 
@@ -338,7 +362,8 @@ def _print_row(r: dict) -> None:
     d2d = r.get("d2d_copy_ms_median")
     print(
         f"{r['block_bytes'] // KIB:>6}K {r['num_blocks']:>6} {r['pattern']:>10} "
-        f"{r['push_ms_median']:>8.2f} {r['pull_ms_median']:>8.2f} {r['raw_write_ms_median']:>8.2f} "
+        f"{r['push_ms_median']:>8.2f} {r['push_1ms_step_ms_median']:>8.2f} "
+        f"{r['pull_ms_median']:>8.2f} {r['raw_write_ms_median']:>8.2f} "
         f"{r['push_descs']:>6} {r['push_caller_blocked_ms_median']:>11.3f} "
         f"{r['pull_caller_blocked_ms_median']:>11.3f} {r['push_gbps']:>6.2f} "
         f"{'-' if d2d is None else f'{d2d:.3f}':>7}",

@@ -154,6 +154,8 @@ def _child(
                 result = futures[args[0]].done()
             elif method == "gauges":
                 result = endpoint.gauges()
+            elif method == "counters":
+                result = dict(getattr(endpoint, "counters", {}))
             elif method == "regions":
                 result = memory.read()
             elif method == "timed":  # (future id, seconds the calling thread was held)

@@ -68,7 +68,7 @@ class DecodeEndpoint(Endpoint):
         # Keys that ended lately, bounded: a WRITE's notification may still arrive for one of
         # them (prefill's CANCEL_ACK, sent once that WRITE completed, can overtake it).
         self._ended: OrderedDict[wire.TransferKey, None] = OrderedDict()
-        self.counters = {"checksums_ok": 0, "checksum_mismatches": 0}
+        self.counters = {"checksums_ok": 0, "checksum_mismatches": 0, "announcements": 0}
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -198,6 +198,12 @@ class DecodeEndpoint(Endpoint):
             self._complete(msg.key, link.address, msg.failure.within("prefill failed the transfer"))
         elif isinstance(msg, wire.DoneMsg | wire.CancelAckMsg):
             self._complete(msg.key, link.address, None)
+        elif isinstance(msg, wire.PostedMsg):
+            self.counters["announcements"] += 1
+            exp = self._expected.get(msg.key)
+            if exp is not None and link.address in exp.remaining:
+                exp.marks.setdefault("announced", time.monotonic())
+                self._hurry()
 
     def _on_hello_ack(self, link: Link, ack: wire.HelloAckMsg) -> None:
         self._hello_sent.discard(link.address)
@@ -319,6 +325,9 @@ class DecodeEndpoint(Endpoint):
                 silent = wire.Failure("lease", f"no answer from prefill within {limit_s:.0f} s")
                 self._end(key, exp, silent)
         super()._tick(now_s)
+
+    def _busy(self) -> bool:
+        return bool(self._expected)
 
     def _poll_timeout_ms(self) -> int | None:
         return BUSY_POLL_MS if self._expected else None

@@ -1,7 +1,8 @@
 """Typed messages of the side channel (msgspec), and the compatibility check.
 
 Decode ranks start every conversation: HELLO, then REGISTER / CANCEL per transfer.
-Prefill ranks answer with HELLO_ACK, CANCEL_ACK, FAIL and DONE. Both send HEARTBEAT while
+Prefill ranks answer with HELLO_ACK, CANCEL_ACK, FAIL and DONE, and announce each WRITE
+they post (POSTED), so that decode polls for it closely. Both send HEARTBEAT while
 they share pending transfers. A router may send ABANDON to prefill ranks, unanswered. The
 data's own completion travels as the NIXL notification of the WRITE (a `WrittenMsg`), so it
 can never overtake the data.
@@ -15,7 +16,7 @@ import msgspec
 
 from kvpush.transfer.layout import KVLayout
 
-PROTOCOL_VERSION = 2  # 2: FAIL carries a typed Failure
+PROTOCOL_VERSION = 3  # 2: FAIL carries a typed Failure; 3: POSTED
 
 # Why a transfer failed, as counted (kvpush:failures{cause}). Set where the failure happens
 # and carried on the wire (FAIL), never read back from the words of a reason.
@@ -147,6 +148,13 @@ class DoneMsg(msgspec.Struct, tag="done"):
     key: TransferKey
 
 
+class PostedMsg(msgspec.Struct, tag="posted"):
+    """A WRITE for `key` was just posted: a hint to poll closely for its notification, which
+    alone says the data landed (this message may overtake the data, or come after it)."""
+
+    key: TransferKey
+
+
 class HeartbeatMsg(msgspec.Struct, tag="heartbeat"):
     pass
 
@@ -168,6 +176,7 @@ Msg = (
     | CancelAckMsg
     | FailMsg
     | DoneMsg
+    | PostedMsg
     | HeartbeatMsg
     | AbandonMsg
 )

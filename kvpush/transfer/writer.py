@@ -230,6 +230,9 @@ class PrefillEndpoint(Endpoint):
         self._in_flight[(w.key, w.peer)] = _InFlight(handle, now, plan.total_bytes, plan.num_descs)
         if w.key in self._marks:  # a source this endpoint still holds
             self._marks[w.key].setdefault("posted", now)
+        assert self.channel is not None
+        self._send(self.channel.link(w.peer), wire.PostedMsg(w.key))
+        self._hurry()
         if state == "ERR":
             self._finish_write(w.key, w.peer, "ERR")
 
@@ -255,6 +258,9 @@ class PrefillEndpoint(Endpoint):
         if peer_state is not None:
             self.agent.remove_remote(peer_state.agent_name)
         self._apply(self._matcher.peer_dead(address, failure))
+
+    def _busy(self) -> bool:
+        return bool(self._in_flight)
 
     def _poll_timeout_ms(self) -> int | None:
         if self._in_flight:

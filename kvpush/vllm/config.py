@@ -12,6 +12,7 @@ from kvpush.vllm.params import validation_error
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
 DEFAULT_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
+DEFAULT_FAST_POLL_S = 0.0001  # see ConnectorConfig.fast_poll_s
 
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -29,6 +30,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 1.0
     debug_checksum: bool = False
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
+    fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
     debug_faults: bool = False
 
 
@@ -47,6 +49,9 @@ class ConnectorConfig:
     # the GIL while vLLM's worker spin-waits for its next step (Python's default is 5 ms;
     # 0.2 ms measured in docs/benchmarks.md, "The push tail")
     gil_switch_interval_s: float = DEFAULT_GIL_SWITCH_INTERVAL_S
+    # the endpoint loop's poll step for a few ms after each WRITE is posted (prefill) or
+    # announced (decode); 0 keeps the 1 ms busy step (transfer.endpoint.TransferConfig)
+    fast_poll_s: float = DEFAULT_FAST_POLL_S
     # tests only: a request's kv_transfer_params may name a connector hook to raise in
     # ("kvpush_debug_fault"; kvpush.vllm.scheduler.PushScheduler.inject)
     debug_faults: bool = False

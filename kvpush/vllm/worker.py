@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # vLLM finished the request -> the writer has it -> first WRITE posted (this includes waiting
 # for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending.
 # Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
-# finished receiving.
+# finished receiving; "land" is the part of wait_writes after prefill announced its first
+# WRITE (POSTED).
 PHASES = {
     "handover": ("finished", "handed"),
     "pair_and_post": ("handed", "posted"),
@@ -36,6 +37,7 @@ PHASES = {
     "release": ("written", "reported"),
     "register": ("expected", "registered"),
     "wait_writes": ("registered", "notified"),
+    "land": ("announced", "notified"),
     "report": ("notified", "reported"),
 }
 
@@ -103,6 +105,7 @@ class PushWorker:
             dead_after_s=cfg.dead_after_s,
             heartbeat_s=cfg.heartbeat_s,
             debug_checksum=cfg.debug_checksum,
+            fast_poll_s=cfg.fast_poll_s,
         )
         cls = PrefillEndpoint if cfg.is_prefill else DecodeEndpoint
         self.endpoint = cls(transfer, layout)

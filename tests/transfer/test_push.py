@@ -8,10 +8,12 @@ import uuid
 import numpy as np
 import pytest
 
+from kvpush.transfer.endpoint import TransferConfig
 from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner
 from kvpush.transfer.wire import TransferKey
 from tests.transfer.conftest import (
+    COMPAT,
     SPEC,
     assert_idle,
     free_port,
@@ -44,6 +46,9 @@ def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order
     p, d = out_p.marks, out_d.marks
     assert p["handed"] <= p["posted"] <= p["written"], p
     assert d["expected"] <= d["registered"] <= p["posted"] and d["registered"] <= d["notified"]
+    # prefill announced its WRITE (POSTED) after posting it; decode heard it by then or later
+    # (the notification may overtake it: then the transfer had ended and nothing is marked)
+    assert "announced" not in d or p["posted"] <= d["announced"], (p, d)
     heads = range(decode.spec.first_head, decode.spec.first_head + decode.spec.num_heads)
     end = padded_end(prefill.spec, decode.spec, num_tokens)
     want = expected_after_push(
@@ -52,6 +57,16 @@ def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order
     for got, exp in zip(decode.call("regions"), want, strict=True):
         assert np.array_equal(got, exp), "decode memory differs from the reference"
     return out_p
+
+
+def test_prefill_announces_each_write_it_posts(pair):
+    prefill, decode, address = pair
+    before = decode.call("counters")["announcements"]
+    push(prefill, decode, address, [1, 2], [60, 61], 32)
+    # POSTED is only a hint to poll closely (the notification may come first), but it is
+    # always sent, once per WRITE
+    wait_for(lambda: decode.call("counters")["announcements"] == before + 1, 5, "one POSTED")
+    assert_idle(prefill, decode)
 
 
 @pytest.mark.parametrize("order", ["register", "prefill-first"])
@@ -210,3 +225,16 @@ def _cpu_ticks(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"fast_poll_s": 0.001}, "fast_poll_s must be in"),
+        ({"fast_poll_s": -1e-4}, "fast_poll_s must be in"),
+        ({"fast_window_s": -1.0}, "fast_window_s must be >= 0"),
+    ],
+)
+def test_transfer_config_refuses_a_fast_poll_outside_the_busy_step(kw, message):
+    with pytest.raises(ValueError, match=message):
+        TransferConfig("prefill-a", COMPAT, **kw)

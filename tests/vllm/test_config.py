@@ -65,6 +65,13 @@ def test_gil_switch_interval_defaults_and_refuses_a_bad_value():
         ConnectorConfig.from_vllm(vllm_config(extra={"gil_switch_interval_s": 0}))
 
 
+def test_fast_poll_defaults_turns_off_with_0_and_refuses_the_busy_step_or_more():
+    assert ConnectorConfig.from_vllm(vllm_config()).fast_poll_s == 0.0001
+    assert ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0})).fast_poll_s == 0
+    with pytest.raises(ValueError, match="extra_config.fast_poll_s: expected `float` < 0.001"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0.001}))
+
+
 def test_decode_accepts_the_first_token_processor_by_name_or_class():
     assert FIRST_TOKEN_PROCESSOR == FQCN  # what kvpush serve passes is what the check wants
     for procs in ((FQCN,), (FirstTokenProcessor,), ("other:Proc", FQCN)):
