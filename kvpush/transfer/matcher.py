@@ -93,6 +93,10 @@ class Matcher:
     def num_records(self) -> int:
         return len(self._records)
 
+    def ended(self, key: TransferKey) -> bool:
+        """Whether `key` ended (written, failed, cancelled) within the last lease."""
+        return key in self._records
+
     def has_pending(self) -> bool:
         return bool(self._pending)
 

@@ -1,4 +1,8 @@
-"""What a router (the proxy, a test client) tells prefill engines: ABANDON a transfer.
+"""Messages to prefill ranks that need no handshake and get no answer.
+
+`Abandoner`: what a router (the proxy, a test client) tells prefill engines, ABANDON a
+transfer. `SourceAnnouncer`: what a prefill engine's scheduler tells its own ranks, SOURCE
+(see `wire.SourceMsg`).
 
 A client that leaves can beat its decode leg into decode's engine: the leg is still in vLLM's
 API server when it is aborted, so decode's connector never hears of it and cannot cancel.
@@ -22,24 +26,23 @@ log = logging.getLogger(__name__)
 _LINGER_MS = 200  # at close, give queued messages this long to leave
 
 
-class Abandoner:
+class RankMessenger:
     """One DEALER socket per prefill rank address, reused; safe to call from one thread."""
 
     def __init__(self) -> None:
         self._ctx = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
 
-    def abandon(self, prefill: PrefillAddress, transfer_id: str, reason: str) -> None:
-        """Tell every rank of `prefill` that `transfer_id` (its first sub-request: the proxy
-        refuses prompt lists and n > 1) is gone."""
-        msg = wire.AbandonMsg(wire.TransferKey(transfer_id, 0), reason)
+    def send(self, prefill: PrefillAddress, msg: wire.Msg) -> None:
+        """Queue `msg` for every rank of `prefill`; never blocks, never raises (a message
+        that cannot be queued is logged and dropped: each has a slower path behind it)."""
         data = wire.encode(wire.Envelope("router", "", msg))
         for rank in range(prefill.tp_size):
             address = prefill.rank_address(rank)
             try:
                 self._socket(address).send(data, zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # never raised to the caller: the lease still bounds it
-                log.warning("router: could not send ABANDON %s to %s: %s", transfer_id, address, e)
+            except zmq.ZMQError as e:
+                log.warning("could not send %s to %s: %s", type(msg).__name__, address, e)
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._sockets.get(address)
@@ -60,3 +63,24 @@ class Abandoner:
             sock.close()
         self._sockets.clear()
         self._ctx.term()
+
+
+class Abandoner(RankMessenger):
+    def abandon(self, prefill: PrefillAddress, transfer_id: str, reason: str) -> None:
+        """Tell every rank of `prefill` that `transfer_id` (its first sub-request: the proxy
+        refuses prompt lists and n > 1) is gone; the lease bounds a message that is lost."""
+        self.send(prefill, wire.AbandonMsg(wire.TransferKey(transfer_id, 0), reason))
+
+
+class SourceAnnouncer(RankMessenger):
+    def announce(
+        self,
+        prefill: PrefillAddress,
+        key: wire.TransferKey,
+        block_ids: list[int],
+        num_tokens: int,
+        first_token: int,
+    ) -> None:
+        """Tell every rank of this prefill engine that `key`'s KV is ready in `block_ids`;
+        the worker's push of the same key, one engine step later, is the slower path."""
+        self.send(prefill, wire.SourceMsg(key, list(block_ids), num_tokens, first_token))

@@ -3,7 +3,8 @@
 Decode ranks start every conversation: HELLO, then REGISTER / CANCEL per transfer.
 Prefill ranks answer with HELLO_ACK, CANCEL_ACK, FAIL and DONE, and announce each WRITE
 they post (POSTED), so that decode polls for it closely. Both send HEARTBEAT while
-they share pending transfers. A router may send ABANDON to prefill ranks, unanswered. The
+they share pending transfers. A router may send ABANDON to prefill ranks, and prefill's own
+scheduler SOURCE, both unanswered. The
 data's own completion travels as the NIXL notification of the WRITE (a `WrittenMsg`), so it
 can never overtake the data.
 """
@@ -155,6 +156,18 @@ class PostedMsg(msgspec.Struct, tag="posted"):
     key: TransferKey
 
 
+class SourceMsg(msgspec.Struct, tag="source"):
+    """From the prefill engine's own scheduler, not a peer: vLLM just finished the request,
+    these blocks hold its KV. Sent then, so the endpoint need not wait for the next engine
+    step to hear of it; the worker's `push()` of the same key follows and claims it (or
+    starts it, when this message comes later or never). No handshake, no answer."""
+
+    key: TransferKey
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int = -1
+
+
 class HeartbeatMsg(msgspec.Struct, tag="heartbeat"):
     pass
 
@@ -177,6 +190,7 @@ Msg = (
     | FailMsg
     | DoneMsg
     | PostedMsg
+    | SourceMsg
     | HeartbeatMsg
     | AbandonMsg
 )

@@ -48,6 +48,9 @@ class PrefillEndpoint(Endpoint):
         self._stats: dict[wire.TransferKey, list[int]] = {}  # bytes, descriptors so far
         self._started: dict[wire.TransferKey, float] = {}
         self._marks: dict[wire.TransferKey, dict[str, float]] = {}  # see Outcome.marks
+        # Sources started from the scheduler's SOURCE whose push() has not come yet: the
+        # future it will get, and when the source came (dropped after one lease).
+        self._unclaimed: dict[wire.TransferKey, tuple[Future, float]] = {}
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -66,6 +69,9 @@ class PrefillEndpoint(Endpoint):
 
     # -- loop thread --------------------------------------------------------------------
     def _on_source(self, key: wire.TransferKey, source: Source) -> Future:
+        early = self._unclaimed.pop(key, None)
+        if early is not None:  # started from SOURCE already: this is the same push
+            return early[0]
         if key in self._futures:
             failure = wire.Failure("other", f"transfer {key} is already being pushed")
             return resolved(Outcome.failed(failure))
@@ -98,7 +104,18 @@ class PrefillEndpoint(Endpoint):
         else:
             log.warning("prefill: unexpected %s from %s", type(msg).__name__, peer)
 
+    def _early_source(self, msg: wire.SourceMsg) -> None:
+        """The scheduler's SOURCE: start the push now. Ignored when push() came first (the
+        key is pending or has ended): the message is only ever a head start."""
+        if msg.key in self._futures or msg.key in self._unclaimed or self._matcher.ended(msg.key):
+            return
+        source = Source(list(msg.block_ids), msg.num_tokens, msg.first_token)
+        self._unclaimed[msg.key] = (self._on_source(msg.key, source), time.monotonic())
+
     def _from_router(self, msg: Any) -> None:
+        if isinstance(msg, wire.SourceMsg):
+            self._early_source(msg)
+            return
         if not isinstance(msg, wire.AbandonMsg):
             super()._from_router(msg)
             return
@@ -265,7 +282,7 @@ class PrefillEndpoint(Endpoint):
     def _poll_timeout_ms(self) -> int | None:
         if self._in_flight:
             return BUSY_POLL_MS
-        if self._matcher.has_pending():
+        if self._matcher.has_pending() or self._unclaimed:
             return LEASE_POLL_MS
         expiry_s = self._matcher.next_record_expiry_s()
         if expiry_s is None:
@@ -274,6 +291,10 @@ class PrefillEndpoint(Endpoint):
 
     def _tick(self, now_s: float) -> None:
         self._apply(self._matcher.expire())
+        for key, (_, since_s) in list(self._unclaimed.items()):
+            if now_s - since_s > self.config.lease_s:  # its push() never came
+                log.warning("prefill: no push() for %s within the lease after its SOURCE", key)
+                del self._unclaimed[key]
         super()._tick(now_s)
 
     def _pending_addresses(self) -> set[str]:
@@ -284,6 +305,7 @@ class PrefillEndpoint(Endpoint):
             "pending_match": self._matcher.num_pending_match,
             "in_flight": len(self._in_flight),
             "held_sources": len(self._futures),
+            "unclaimed_sources": len(self._unclaimed),
             "cancel_records": self._matcher.num_records,
             "peers": len(self._peers),
         }

@@ -31,6 +31,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     debug_checksum: bool = False
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
+    early_source: bool = True
     debug_faults: bool = False
 
 
@@ -52,6 +53,9 @@ class ConnectorConfig:
     # the endpoint loop's poll step for a few ms after each WRITE is posted (prefill) or
     # announced (decode); 0 keeps the 1 ms busy step (transfer.endpoint.TransferConfig)
     fast_poll_s: float = DEFAULT_FAST_POLL_S
+    # prefill: the scheduler sends SOURCE to its own ranks when vLLM finishes a request,
+    # so the push starts without waiting for the next engine step (kvpush.vllm.scheduler)
+    early_source: bool = True
     # tests only: a request's kv_transfer_params may name a connector hook to raise in
     # ("kvpush_debug_fault"; kvpush.vllm.scheduler.PushScheduler.inject)
     debug_faults: bool = False

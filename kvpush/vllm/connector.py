@@ -94,6 +94,8 @@ class KVPushConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # -- scheduler side -------------------------------------------------------------------
     # Each hook's failure leaves a bounded state (docs/architecture.md, "When a connector hook

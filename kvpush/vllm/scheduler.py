@@ -1,7 +1,10 @@
 """The connector's scheduler half: decides, per request, what the workers must do.
 
-It runs in vLLM's scheduler, so it never touches the network: it only queues actions that
-`build_connector_meta` hands to the workers with the next engine step.
+It runs in vLLM's scheduler, so it never waits on the network: it queues actions that
+`build_connector_meta` hands to the workers with the next engine step. The one message it
+sends itself, SOURCE to its own prefill ranks when a request finishes (`early_source`), is a
+non-blocking ZMQ send: a head start of one engine step for the push, which the worker's Push
+still follows.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.router import SourceAnnouncer
 from kvpush.transfer.wire import Failure
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
@@ -44,6 +49,7 @@ class PushScheduler:
         self._abandoned: set[str] = set()  # decode: finished while loading; a cancel is out
         self._settling = 0  # workers' aborts and cancels not acted on yet
         self._step_faults: set[str] = set()  # debug_faults: step hooks to raise in once
+        self._announcer: SourceAnnouncer | None = None  # prefill, early_source: made lazily
 
     # -- decode ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -256,6 +262,8 @@ class PushScheduler:
         push = m.Push(rid, key, list(block_ids), request.num_prompt_tokens, time.monotonic(), first)
         self._actions.append(push)
         self._sending.add(rid)
+        if self.config.early_source:
+            self._announce(push)
         return True, {
             "do_remote_prefill": True,
             "transfer_id": key.transfer_id,
@@ -264,6 +272,24 @@ class PushScheduler:
             "remote_port": self.config.side_channel_port,
             "tp_size": self._tp_size,
         }
+
+    def _announce(self, push: m.Push) -> None:
+        """SOURCE to this engine's ranks now; never raises (the worker's Push still comes)."""
+        try:
+            if self._announcer is None:
+                self._announcer = SourceAnnouncer()
+            cfg = self.config
+            own = PrefillAddress(cfg.side_channel_host, cfg.side_channel_port, self._tp_size)
+            self._announcer.announce(
+                own, push.key, push.block_ids, push.num_tokens, push.first_token
+            )
+        except Exception as e:
+            log.warning("kvpush: SOURCE for %s not sent (the push waits a step): %s", push.key, e)
+
+    def close(self) -> None:
+        if self._announcer is not None:
+            self._announcer.close()
+            self._announcer = None
 
     def has_pending_push_work(self) -> bool:
         return bool(self._actions or self._sending or self._settling)

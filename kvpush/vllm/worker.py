@@ -26,12 +26,14 @@ log = logging.getLogger(__name__)
 
 # The engines' timeline phases: (from mark, to mark), on one host's monotonic clock. Prefill:
 # vLLM finished the request -> the writer has it -> first WRITE posted (this includes waiting
-# for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending.
+# for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending;
+# "next_step" is the part of handover until the worker got the push (the next engine step).
 # Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
 # finished receiving; "land" is the part of wait_writes after prefill announced its first
 # WRITE (POSTED).
 PHASES = {
     "handover": ("finished", "handed"),
+    "next_step": ("finished", "started"),
     "pair_and_post": ("handed", "posted"),
     "write": ("posted", "written"),
     "release": ("written", "reported"),
@@ -140,7 +142,8 @@ class PushWorker:
     def _start(self, a: m.Action) -> None:
         ep = self.endpoint
         if isinstance(a, m.Push):
-            self._timeline[a.req_id] = (a.key.transfer_id, {"finished": a.finished_s})
+            marks = {"finished": a.finished_s, "started": time.monotonic()}
+            self._timeline[a.req_id] = (a.key.transfer_id, marks)
             self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens, a.first_token)
         elif isinstance(a, m.Abort):
             self._settling.append(ep.abort(a.key, a.failure))

@@ -117,7 +117,7 @@ def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_
     assert parts == pytest.approx(phases["total"], abs=1e-6) or parts > phases["total"]
     # and each engine's connector recorded its own phases of the same request
     want = {
-        "prefill": {"handover", "pair_and_post", "write", "release"},
+        "prefill": {"handover", "next_step", "pair_and_post", "write", "release"},
         "decode": {"register", "wait_writes", "land", "report"},
     }
     deadline = time.monotonic() + 5

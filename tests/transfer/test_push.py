@@ -10,7 +10,7 @@ import pytest
 
 from kvpush.transfer.endpoint import TransferConfig
 from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.router import Abandoner
+from kvpush.transfer.router import Abandoner, SourceAnnouncer
 from kvpush.transfer.wire import TransferKey
 from tests.transfer.conftest import (
     COMPAT,
@@ -183,6 +183,56 @@ def test_router_abandon_before_prefill_finishes_fails_decode_and_frees_the_late_
     out_p = prefill.wait(prefill.call("push", key, [3, 4], 32), timeout_s=5)
     assert (out_p.ok, out_p.cause) == (False, "abandoned") and "already ended" in out_p.reason
     assert time.monotonic() - start < 1.0
+    assert_idle(prefill, decode)
+
+
+def test_the_schedulers_source_starts_the_push_before_push_and_push_claims_it(pair):
+    prefill, decode, address = pair
+    src = prefill.call("regions")
+    before = decode.call("regions")
+    key = new_key()
+    fd = decode.call("expect", key, address, [20, 21, 22], 40)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    announcer = SourceAnnouncer()
+    try:
+        announcer.announce(address, key, [4, 5, 6], 40, 7)
+        out_d = decode.wait(fd, timeout_s=5)  # written before the worker's push() came
+    finally:
+        announcer.close()
+    assert out_d.ok and out_d.first_token == 7, out_d
+    assert prefill.call("gauges")["unclaimed_sources"] == 1
+    out_p = prefill.wait(prefill.call("push", key, [4, 5, 6], 40, 7), timeout_s=5)
+    assert out_p.ok and out_p.num_bytes > 0, out_p  # the same push, not a second one
+    end = padded_end(prefill.spec, decode.spec, 40)
+    heads = range(decode.spec.first_head, decode.spec.first_head + decode.spec.num_heads)
+    want = expected_after_push(
+        src, before, prefill.spec, decode.spec, [4, 5, 6], [20, 21, 22], 0, end, heads
+    )
+    for got, exp in zip(decode.call("regions"), want, strict=True):
+        assert np.array_equal(got, exp), "decode memory differs from the reference"
+    assert_idle(prefill, decode)
+
+
+def test_a_source_after_push_is_ignored(pair):
+    prefill, decode, address = pair
+    late = new_key()
+    fd = decode.call("expect", late, address, [42, 43], 32)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    out_p = prefill.wait(prefill.call("push", late, [1, 2], 32), timeout_s=5)
+    assert out_p.ok and decode.wait(fd).ok
+    marker = new_key()
+    fm = decode.call("expect", marker, address, [44, 45], 32)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    announcer = SourceAnnouncer()
+    try:
+        announcer.announce(address, late, [1, 2], 32, -1)  # after its push ended: ignored
+        announcer.announce(address, marker, [1, 2], 32, -1)  # same socket: handled after it
+        assert decode.wait(fm, timeout_s=5).ok
+    finally:
+        announcer.close()
+    # only the marker's source waits for its push(): the late one started nothing
+    assert prefill.call("gauges")["unclaimed_sources"] == 1
+    assert prefill.wait(prefill.call("push", marker, [1, 2], 32), timeout_s=5).ok
     assert_idle(prefill, decode)
 
 

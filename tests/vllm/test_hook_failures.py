@@ -10,8 +10,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import zmq
 from vllm.v1.request import RequestStatus
 
+from kvpush.transfer import wire
 from kvpush.transfer.wire import Failure
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
@@ -27,10 +29,12 @@ DECODE_PARAMS = {
 }
 
 
-def scheduler(prefill: bool = False, debug_faults: bool = False) -> PushScheduler:
+def scheduler(
+    prefill: bool = False, debug_faults: bool = False, early_source: bool = False, port: int = 5600
+) -> PushScheduler:
     config = ConnectorConfig(
-        "p0" if prefill else "d0", prefill, ("UCX",), "127.0.0.1", 5600, 30.0, 5.0, 1.0,
-        False, debug_faults=debug_faults,
+        "p0" if prefill else "d0", prefill, ("UCX",), "127.0.0.1", port, 30.0, 5.0, 1.0,
+        False, debug_faults=debug_faults, early_source=early_source,
     )  # fmt: skip
     return PushScheduler(config, SimpleNamespace(parallel_config=SimpleNamespace(
         tensor_parallel_size=1)))  # fmt: skip
@@ -166,3 +170,27 @@ def test_the_worker_counts_a_hook_failure_by_its_cause():
     worker.start([m.Refuse(rid, f) for rid, f in zip(("r1", "r2"), refusals, strict=True)])
     assert worker.results() == (set(), {"r1", "r2"}, {"r1", "r2"})
     assert worker.take_stats().data["failures"] == {"hook": 1, "refused": 1}
+
+
+def test_a_finished_prefill_announces_its_source_to_its_own_ranks_at_once():
+    """The scheduler's SOURCE (early_source) reaches the rank's listener: a real ZMQ socket
+    standing in for the endpoint, which tests/transfer/test_push.py runs for real."""
+    ctx = zmq.Context()
+    listener = ctx.socket(zmq.ROUTER)
+    port = listener.bind_to_random_port("tcp://127.0.0.1")
+    s = scheduler(prefill=True, early_source=True, port=port)
+    try:
+        done = request(
+            {"do_remote_decode": True, "transfer_id": "t9"}, RequestStatus.FINISHED_STOPPED,
+            output=[42],
+        )  # fmt: skip
+        assert s.request_finished(done, [5, 6])[0]  # vLLM holds the blocks
+        (push,) = actions(s)  # the worker still gets the Push, one step later
+        assert listener.poll(5000), "no SOURCE within 5 s"
+        env = wire.decode_envelope(listener.recv_multipart()[-1])
+        assert env.reply_to == ""  # nothing to answer
+        assert env.msg == wire.SourceMsg(push.key, [5, 6], 100, 42)
+    finally:
+        s.close()
+        listener.close()
+        ctx.term()

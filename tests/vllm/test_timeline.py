@@ -11,12 +11,13 @@ def test_the_stats_module_names_every_phase_the_worker_computes():
 
 
 def test_prefill_phases_from_marks_and_missing_marks_skip_their_phase():
-    marks = {"finished": 10.0, "handed": 10.002, "posted": 10.05, "written": 10.051}
-    phases = timeline_phases(marks | {"reported": 10.06})
-    assert phases.keys() == {"handover", "pair_and_post", "write", "release"}
+    marks = {"finished": 10.0, "started": 10.001, "handed": 10.002, "posted": 10.05}
+    phases = timeline_phases(marks | {"written": 10.051, "reported": 10.06})
+    assert phases.keys() == {"handover", "next_step", "pair_and_post", "write", "release"}
     assert abs(phases["pair_and_post"] - 0.048) < 1e-9
     # a source that never posted (its lease expired): no post, no write phase
-    assert set(timeline_phases({"finished": 1.0, "handed": 1.1, "reported": 31.0})) == {"handover"}
+    got = timeline_phases({"finished": 1.0, "started": 1.05, "handed": 1.1, "reported": 31.0})
+    assert set(got) == {"handover", "next_step"}
 
 
 def test_stats_carry_phases_across_ranks():
