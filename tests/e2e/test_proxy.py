@@ -118,15 +118,18 @@ def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_
     # and each engine's connector recorded its own phases of the same request
     want = {
         "prefill": {"handover", "next_step", "pair_and_post", "write", "release"},
-        "decode": {"register", "wait_writes", "land", "report"},
+        "decode": {"register", "wait_writes", "report"},
     }
+    # decode's "land" starts at prefill's POSTED, which the WRITE's notification may overtake:
+    # then the transfer has ended when POSTED comes, and land is not recorded
+    maybe = {"land"}
     deadline = time.monotonic() + 5
     while True:
         grew = {
             u: {p for p, n in phase_counts(u).items() if n > before[u].get(p, 0)} for u in before
         }
         prefill_grew = [g for u, g in grew.items() if u != decode_url and g]
-        if prefill_grew == [want["prefill"]] and grew[decode_url] == want["decode"]:
+        if prefill_grew == [want["prefill"]] and grew[decode_url] - maybe == want["decode"]:
             break
         assert time.monotonic() < deadline, grew
         time.sleep(0.1)
