@@ -111,6 +111,8 @@ class PrefillEndpoint(Endpoint):
             return
         source = Source(list(msg.block_ids), msg.num_tokens, msg.first_token)
         self._unclaimed[msg.key] = (self._on_source(msg.key, source), time.monotonic())
+        if msg.key in self._marks:
+            self._marks[msg.key]["sourced"] = self._marks[msg.key]["handed"]
 
     def _from_router(self, msg: Any) -> None:
         if isinstance(msg, wire.SourceMsg):

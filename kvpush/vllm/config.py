@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -31,7 +32,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     debug_checksum: bool = False
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
-    early_source: bool = True
+    early_source: bool | Literal["auto"] = "auto"
     debug_faults: bool = False
 
 
@@ -54,7 +55,9 @@ class ConnectorConfig:
     # announced (decode); 0 keeps the 1 ms busy step (transfer.endpoint.TransferConfig)
     fast_poll_s: float = DEFAULT_FAST_POLL_S
     # prefill: the scheduler sends SOURCE to its own ranks when vLLM finishes a request,
-    # so the push starts without waiting for the next engine step (kvpush.vllm.scheduler)
+    # so the push starts without waiting for the next engine step (kvpush.vllm.scheduler).
+    # "auto" (ExtraConfig): on unless the engine may run on one CPU only, where the push's
+    # work then delays the API server's answer (docs/benchmarks.md, "Early SOURCE")
     early_source: bool = True
     # tests only: a request's kv_transfer_params may name a connector hook to raise in
     # ("kvpush_debug_fault"; kvpush.vllm.scheduler.PushScheduler.inject)
@@ -109,5 +112,11 @@ class ConnectorConfig:
         fields = msgspec.structs.asdict(extra) | {
             "backends": tuple(extra.backends),
             "side_channel_port": port,
+            "early_source": resolve_early_source(extra.early_source, os.sched_getaffinity(0)),
         }
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
+
+
+def resolve_early_source(setting: bool | str, cpus: set[int]) -> bool:
+    """`early_source: "auto"` is on when this process may run on more than one CPU."""
+    return len(cpus) > 1 if setting == "auto" else bool(setting)

@@ -28,7 +28,7 @@ GAUGES = {
 }
 # kvpush.vllm.worker.PHASES, named here so this module stays importable without the worker
 PHASE_NAMES = (
-    "handover", "next_step", "pair_and_post", "write", "release",
+    "handover", "next_step", "head_start", "pair_and_post", "write", "release",
     "register", "wait_writes", "land", "report",
 )  # fmt: skip
 PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -142,8 +142,8 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         phases = self._histogram_cls(
             name="kvpush:phase_seconds",
             documentation="per-request timeline phases in the connector (kvpush.vllm.worker."
-            "PHASES): prefill handover, next_step, pair_and_post, write, release; decode "
-            "register, wait_writes, land, report",
+            "PHASES): prefill handover, next_step, head_start, pair_and_post, write, release; "
+            "decode register, wait_writes, land, report",
             labelnames=[*labelnames, "phase"],
             buckets=PHASE_BUCKETS_S,
         )

@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 # The engines' timeline phases: (from mark, to mark), on one host's monotonic clock. Prefill:
 # vLLM finished the request -> the writer has it -> first WRITE posted (this includes waiting
 # for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending;
-# "next_step" is the part of handover until the worker got the push (the next engine step).
+# "next_step" is the part of handover until the worker got the push (the next engine step);
+# "head_start" how long before that the scheduler's SOURCE had started it (only then).
 # Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
 # finished receiving; "land" is the part of wait_writes after prefill announced its first
 # WRITE (POSTED).
 PHASES = {
     "handover": ("finished", "handed"),
     "next_step": ("finished", "started"),
+    "head_start": ("sourced", "started"),
     "pair_and_post": ("handed", "posted"),
     "write": ("posted", "written"),
     "release": ("written", "reported"),

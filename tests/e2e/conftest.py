@@ -80,9 +80,12 @@ def as_pair(prefill: Engine, decode: Engine) -> Pair:
 
 @pytest.fixture(scope="session")
 def engines(tiny_model):
-    """mono + the main pair, started together (about a minute on two cores)."""
+    """mono + the main pair, started together (about a minute on two cores). The main pair
+    starts each push from the scheduler's SOURCE (early_source, which "auto" turns off on
+    these one-core engines), so the tests that share it run that path; the other pairs run
+    the default, the worker's push() alone."""
     model = str(tiny_model)
-    prefill, decode = pair_specs(model, 32, 64)
+    prefill, decode = pair_specs(model, 32, 64, early_source=True)
     mono = EngineSpec("mono", model, free_port(), engine_id="mono", block_size=64)
     started = start(mono, prefill, decode)
     yield dict(zip(("mono", "prefill", "decode"), started, strict=True))

@@ -3,12 +3,13 @@ namespaces with the same attributes)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 
 from kvpush.launch.engine import FIRST_TOKEN_PROCESSOR
-from kvpush.vllm.config import ConnectorConfig
+from kvpush.vllm.config import ConnectorConfig, resolve_early_source
 from kvpush.vllm.firsttoken import FQCN, FirstTokenProcessor
 
 
@@ -70,6 +71,17 @@ def test_fast_poll_defaults_turns_off_with_0_and_refuses_the_busy_step_or_more()
     assert ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0})).fast_poll_s == 0
     with pytest.raises(ValueError, match="extra_config.fast_poll_s: expected `float` < 0.001"):
         ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0.001}))
+
+
+def test_early_source_is_auto_by_default_on_with_more_than_one_cpu():
+    assert resolve_early_source("auto", {0, 1}) and not resolve_early_source("auto", {3})
+    assert resolve_early_source(True, {0}) and not resolve_early_source(False, {0, 1})
+    cfg = ConnectorConfig.from_vllm(vllm_config(extra={"early_source": False}))
+    assert cfg.early_source is False
+    want = len(os.sched_getaffinity(0)) > 1
+    assert ConnectorConfig.from_vllm(vllm_config()).early_source is want
+    with pytest.raises(ValueError, match="extra_config.early_source"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"early_source": "sometimes"}))
 
 
 def test_decode_accepts_the_first_token_processor_by_name_or_class():
