@@ -9,6 +9,8 @@ raw WRITE). Per grid point, medians of several repeats:
   READ and polls it to completion, as a pull connector does after prefill;
 - push_1ms_step_ms: the same push through a second endpoint pair whose loops keep the 1 ms
   busy step after a WRITE is posted (`fast_poll_s=0`), in the same run;
+- push_post_ms / push_complete_ms: the push's own parts, hand-over -> WRITE posted (copy
+  plan, descriptors, post) -> WRITE complete;
 - raw_write_ms: one WRITE of the same bytes with descriptors built beforehand;
 - descs: descriptors posted; caller_blocked_ms: how long the caller's thread was held
   (push: enqueue only; pull: descriptor build and post);
@@ -269,6 +271,10 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         "push_ms": out_p.elapsed_s * 1e3,
                         "push_caller_blocked_ms": blocked_s * 1e3,
                         "push_1ms_step_ms": pushed["push_1ms_step"][0].elapsed_s * 1e3,
+                        # the push's own timeline (prefill's loop thread): hand-over -> first
+                        # WRITE posted (plan, descriptors, post) -> last WRITE complete
+                        "push_post_ms": (out_p.marks["posted"] - out_p.marks["handed"]) * 1e3,
+                        "push_complete_ms": (out_p.marks["written"] - out_p.marks["posted"]) * 1e3,
                         "pull_ms": pull["total_ms"],
                         "pull_caller_blocked_ms": pull["caller_blocked_ms"],
                         "raw_write_ms": write["total_ms"],
