@@ -9,9 +9,10 @@ raw WRITE). Per grid point, medians of several repeats:
   READ and polls it to completion, as a pull connector does after prefill;
 - push_1ms_step_ms: the same push through a second endpoint pair whose loops keep the 1 ms
   busy step after a WRITE is posted (`fast_poll_s=0`), in the same run;
-- push_post_ms / push_complete_ms: the push's own parts, hand-over -> WRITE posted (copy
-  plan, descriptors, post) -> WRITE complete;
+- push_plan_ms / push_post_ms / push_complete_ms: the push's own parts, hand-over -> copy
+  plan and descriptors built -> WRITE posted -> WRITE complete;
 - raw_write_ms: one WRITE of the same bytes with descriptors built beforehand;
+  raw_write_notif_ms: the same with a notification, as the push's WRITEs carry;
 - descs: descriptors posted; caller_blocked_ms: how long the caller's thread was held
   (push: enqueue only; pull: descriptor build and post);
 - d2d_copy_ms (CUDA only): one device-to-device copy of the same number of bytes on the one
@@ -102,10 +103,13 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
             plan = plan_copies(layout, remote_layout, src_ids, dst_ids, 0, num_tokens)
             local_descs, remote_descs = plan.descs(0, 0)
         t_built = time.perf_counter()
-        if op == "WRITE":
+        notif = b""
+        if op in ("WRITE", "WRITE_NOTIF"):
             t0 = t_built  # raw WRITE: descriptors are prepared ahead, not timed
+        if op == "WRITE_NOTIF":  # the push's notification, as big as a WrittenMsg
+            op, notif = "WRITE", b"n" * 48
         mem = layout.mem_type
-        handle, state = agent.post(op, remote, local_descs, remote_descs, mem, mem)
+        handle, state = agent.post(op, remote, local_descs, remote_descs, mem, mem, notif)
         t_posted = time.perf_counter()
         while state == "PROC":
             state = agent.state(handle)
@@ -266,15 +270,21 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                     out_p, blocked_s = pushed["push"]
                     pull = raw_d.call("op", ("READ", raw_p_name, raw_p.layout, ids, ids, tokens))
                     write = raw_p.call("op", ("WRITE", raw_d_name, raw_d.layout, ids, ids, tokens))
-                    assert pull["ok"] and write["ok"]
+                    write_notif = raw_p.call(
+                        "op", ("WRITE_NOTIF", raw_d_name, raw_d.layout, ids, ids, tokens)
+                    )
+                    marks = out_p.marks
+                    assert pull["ok"] and write["ok"] and write_notif["ok"]
                     sample = {
                         "push_ms": out_p.elapsed_s * 1e3,
                         "push_caller_blocked_ms": blocked_s * 1e3,
                         "push_1ms_step_ms": pushed["push_1ms_step"][0].elapsed_s * 1e3,
-                        # the push's own timeline (prefill's loop thread): hand-over -> first
-                        # WRITE posted (plan, descriptors, post) -> last WRITE complete
-                        "push_post_ms": (out_p.marks["posted"] - out_p.marks["handed"]) * 1e3,
-                        "push_complete_ms": (out_p.marks["written"] - out_p.marks["posted"]) * 1e3,
+                        # the push's own timeline (prefill's loop thread): hand-over -> copy
+                        # plan and descriptors built -> WRITE posted -> WRITE complete
+                        "push_plan_ms": (marks["planned"] - marks["handed"]) * 1e3,
+                        "push_post_ms": (marks["posted"] - marks["planned"]) * 1e3,
+                        "push_complete_ms": (marks["written"] - marks["posted"]) * 1e3,
+                        "raw_write_notif_ms": write_notif["total_ms"],
                         "pull_ms": pull["total_ms"],
                         "pull_caller_blocked_ms": pull["caller_blocked_ms"],
                         "raw_write_ms": write["total_ms"],

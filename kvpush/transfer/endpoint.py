@@ -77,7 +77,8 @@ class Outcome:
     num_descs: int = 0
     elapsed_s: float = 0.0
     # time.monotonic() of the transfer's events on the loop thread (the per-request timeline):
-    # prefill "handed" ("sourced" too when SOURCE started it), "posted" (first WRITE),
+    # prefill "handed" ("sourced" too when SOURCE started it), "planned" (first copy plan and
+    # descriptors built), "posted" (first WRITE),
     # "written" (last WRITE complete); decode
     # "expected", "registered" (first REGISTER sent), "announced" (first POSTED in),
     # "notified" (all WRITEs in)

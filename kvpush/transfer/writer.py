@@ -222,6 +222,8 @@ class PrefillEndpoint(Endpoint):
                 pad_tail=True,
             )
             src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
+            if w.key in self._marks:
+                self._marks[w.key].setdefault("planned", time.monotonic())
             sent = b""
             if self.config.debug_checksum:
                 sent = digest(
