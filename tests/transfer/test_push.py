@@ -49,6 +49,12 @@ def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order
     # prefill announced its WRITE (POSTED) after posting it; decode heard it by then or later
     # (the notification may overtake it: then the transfer had ended and nothing is marked)
     assert "announced" not in d or p["posted"] <= d["announced"], (p, d)
+    assert_landed(prefill, decode, src, before, src_ids, dst_ids, num_tokens, cached)
+    return out_p
+
+
+def assert_landed(prefill, decode, src, before, src_ids, dst_ids, num_tokens, cached=0):
+    """Decode's memory is `before` with exactly the reference's bytes written into it."""
     heads = range(decode.spec.first_head, decode.spec.first_head + decode.spec.num_heads)
     end = padded_end(prefill.spec, decode.spec, num_tokens)
     want = expected_after_push(
@@ -56,7 +62,6 @@ def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order
     )
     for got, exp in zip(decode.call("regions"), want, strict=True):
         assert np.array_equal(got, exp), "decode memory differs from the reference"
-    return out_p
 
 
 def test_prefill_announces_each_write_it_posts(pair):
@@ -203,13 +208,7 @@ def test_the_schedulers_source_starts_the_push_before_push_and_push_claims_it(pa
     assert prefill.call("gauges")["unclaimed_sources"] == 1
     out_p = prefill.wait(prefill.call("push", key, [4, 5, 6], 40, 7), timeout_s=5)
     assert out_p.ok and out_p.num_bytes > 0, out_p  # the same push, not a second one
-    end = padded_end(prefill.spec, decode.spec, 40)
-    heads = range(decode.spec.first_head, decode.spec.first_head + decode.spec.num_heads)
-    want = expected_after_push(
-        src, before, prefill.spec, decode.spec, [4, 5, 6], [20, 21, 22], 0, end, heads
-    )
-    for got, exp in zip(decode.call("regions"), want, strict=True):
-        assert np.array_equal(got, exp), "decode memory differs from the reference"
+    assert_landed(prefill, decode, src, before, [4, 5, 6], [20, 21, 22], 40)
     assert_idle(prefill, decode)
 
 
