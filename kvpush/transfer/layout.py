@@ -175,11 +175,13 @@ def plan_copies(
             raise ValueError(f"heads {heads} are not all held by the {side} rank")
     if not 0 <= start_token <= end_token:
         raise ValueError(f"bad token range [{start_token}, {end_token})")
-    for side, lay, ids in (("prefill", src, src_block_ids), ("decode", dst, dst_block_ids)):
+    src_ids = np.asarray(src_block_ids, dtype=np.int64)
+    dst_ids = np.asarray(dst_block_ids, dtype=np.int64)
+    for side, lay, ids in (("prefill", src, src_ids), ("decode", dst, dst_ids)):
         need = -(-end_token // lay.block_size)
         if len(ids) < need:
             raise ValueError(f"{side} has {len(ids)} blocks, {end_token} tokens need {need}")
-        if ids and (min(ids[:need] or [0]) < 0 or max(ids[:need] or [0]) >= lay.num_blocks):
+        if need and (ids[:need].min() < 0 or ids[:need].max() >= lay.num_blocks):
             raise ValueError(f"{side} block id out of range 0..{lay.num_blocks - 1}")
     empty = np.zeros(0, dtype=np.int64)
     if start_token == end_token:
@@ -189,13 +191,13 @@ def plan_copies(
         end_token = end_token - end_token % bs + bs
 
     # Token pieces that sit inside one source block and one destination block.
-    cuts = {start_token, end_token}
+    cuts = [np.array([start_token, end_token], dtype=np.int64)]
     for bs in (src.block_size, dst.block_size):
-        cuts.update(range(-(-start_token // bs) * bs, end_token, bs))
-    bounds = np.array(sorted(cuts), dtype=np.int64)
+        cuts.append(np.arange(-(-start_token // bs) * bs, end_token, bs, dtype=np.int64))
+    bounds = np.unique(np.concatenate(cuts))
     tok0, tok1 = bounds[:-1], bounds[1:]
-    src_blk = np.asarray(src_block_ids, dtype=np.int64)[tok0 // src.block_size]
-    dst_blk = np.asarray(dst_block_ids, dtype=np.int64)[tok0 // dst.block_size]
+    src_blk = src_ids[tok0 // src.block_size]
+    dst_blk = dst_ids[tok0 // dst.block_size]
     src_off, dst_off, ntok = tok0 % src.block_size, tok0 % dst.block_size, tok1 - tok0
 
     # Rows inside a block, the same for every region: byte offsets from the start of the
@@ -238,7 +240,7 @@ def plan_copies(
     stride_s = np.array([r.block_stride_bytes for r in src.regions], dtype=np.int64)
     stride_d = np.array([r.block_stride_bytes for r in dst.regions], dtype=np.int64)
     blk_s, blk_d = src_blk[row_piece], dst_blk[row_piece]
-    if nn.shape[1] == 1 and len(set(stride_s)) == 1 and len(set(stride_d)) == 1:
+    if nn.shape[1] == 1 and (stride_s == stride_s[0]).all() and (stride_d == stride_d[0]).all():
         rel_s = blk_s * stride_s[0] + off_s[:, 0]
         rel_d = blk_d * stride_d[0] + off_d[:, 0]
         rel_s, rel_d, n1 = _merge_runs(rel_s, rel_d, nn[:, 0])
