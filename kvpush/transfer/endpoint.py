@@ -78,8 +78,7 @@ class Outcome:
     elapsed_s: float = 0.0
     # time.monotonic() of the transfer's events on the loop thread (the per-request timeline):
     # prefill "handed" ("sourced" too when SOURCE started it), "planned" (first copy plan and
-    # descriptors built), "posted" (first WRITE),
-    # "written" (last WRITE complete); decode
+    # descriptors built), "posted" (first WRITE), "written" (last WRITE complete); decode
     # "expected", "registered" (first REGISTER sent), "announced" (first POSTED in),
     # "notified" (all WRITEs in)
     marks: dict[str, float] = field(default_factory=dict)

@@ -68,7 +68,7 @@ class PrefillEndpoint(Endpoint):
         return self._call(self._apply_all, self._matcher.abort, key, failure)
 
     # -- loop thread --------------------------------------------------------------------
-    def _on_source(self, key: wire.TransferKey, source: Source) -> Future:
+    def _on_source(self, key: wire.TransferKey, source: Source, sourced: bool = False) -> Future:
         early = self._unclaimed.pop(key, None)
         if early is not None:  # started from SOURCE already: this is the same push
             return early[0]
@@ -79,6 +79,8 @@ class PrefillEndpoint(Endpoint):
         self._futures[key] = future
         self._started[key] = time.monotonic()
         self._marks[key] = {"handed": self._started[key]}
+        if sourced:  # from the scheduler's SOURCE, ahead of push()
+            self._marks[key]["sourced"] = self._started[key]
         self._apply(self._matcher.source_ready(key, source))
         return future
 
@@ -110,9 +112,8 @@ class PrefillEndpoint(Endpoint):
         if msg.key in self._futures or msg.key in self._unclaimed or self._matcher.ended(msg.key):
             return
         source = Source(list(msg.block_ids), msg.num_tokens, msg.first_token)
-        self._unclaimed[msg.key] = (self._on_source(msg.key, source), time.monotonic())
-        if msg.key in self._marks:
-            self._marks[msg.key]["sourced"] = self._marks[msg.key]["handed"]
+        future = self._on_source(msg.key, source, sourced=True)
+        self._unclaimed[msg.key] = (future, time.monotonic())
 
     def _from_router(self, msg: Any) -> None:
         if isinstance(msg, wire.SourceMsg):
