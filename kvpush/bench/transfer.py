@@ -1,7 +1,8 @@
 """`kvpush bench transfer`: push vs a pull baseline vs a raw NIXL WRITE, over DRAM or VRAM.
 
-Six child processes per KV shape: two pairs of prefill and decode endpoints (the push path,
-with and without the fast poll step), and two raw NIXL agents (the pull baseline and the
+Six child processes per KV shape (eight with `--device cuda`): two pairs of prefill and
+decode endpoints (the push path, with and without the fast poll step; on CUDA a third pair
+with staging off), and two raw NIXL agents (the pull baseline and the
 raw WRITE). Per grid point, medians of several repeats:
 - push_ms: prefill hands its blocks over (both sides ready: decode registered first) until
   the WRITE completed and the blocks may be freed; measured inside the prefill process;
@@ -17,6 +18,10 @@ raw WRITE). Per grid point, medians of several repeats:
   (push: enqueue only; pull: descriptor build and post);
 - d2d_copy_ms (CUDA only): one device-to-device copy of the same number of bytes on the one
   GPU, the ceiling for any transfer between two processes on it.
+- with `--device cuda`: push_ms is the default, which stages a push whose plan has 512+
+  descriptors (kvpush.transfer.staging; push_gather_ms / push_scatter_ms are its copies,
+  hand-over -> gathered on prefill, landed -> scattered on decode), and push_direct_ms the
+  same push through a third endpoint pair with staging off, in the same run;
 - with `--device cuda`, the candidates for scattered blocks (issue 12), on the same blocks:
   raw_prepped_write_ms (NIXL's prepared descriptor lists, prepared untimed),
   gather_ms / scatter_ms (a staged transfer's device steps, one batched-copy kernel), and
@@ -258,6 +263,14 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
         "push": (prefill, decode, address),
         "push_1ms_step": (prefill_1ms, decode_1ms, PrefillAddress("127.0.0.1", port_1ms)),
     }
+    if spec.device != "cpu":  # the default stages scattered pushes; the same, never staged
+        port_direct = _free_port()
+        direct = replace(cfg, staging_bytes=0, side_channel_port=port_direct)
+        pairs["push_direct"] = (
+            Side("prefill", direct, spec, seed=1),
+            Side("decode", replace(direct, engine_id="bench-decode", side_channel_port=0), spec),
+            PrefillAddress("127.0.0.1", port_direct),
+        )
     rows = []
     contiguous_write: dict[int, float] = {}  # raw WRITE ms of n contiguous blocks
     try:
@@ -267,7 +280,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 runs: dict[str, list[float]] = {}
                 for r in range(repeats + 1):  # the first run warms connections up
                     pushed = {name: _push(*sides, ids, tokens) for name, sides in pairs.items()}
-                    out_p, blocked_s = pushed["push"]
+                    out_p, blocked_s, out_d = pushed["push"]
                     pull = raw_d.call("op", ("READ", raw_p_name, raw_p.layout, ids, ids, tokens))
                     write = raw_p.call("op", ("WRITE", raw_d_name, raw_d.layout, ids, ids, tokens))
                     write_notif = raw_p.call(
@@ -290,6 +303,11 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         "raw_write_ms": write["total_ms"],
                     }
                     if spec.device != "cpu":  # the candidates of issue 12
+                        sample["push_direct_ms"] = pushed["push_direct"][0].elapsed_s * 1e3
+                        if "gathered" in marks:  # staged: the push's gather, decode's scatter
+                            sample["push_gather_ms"] = (marks["gathered"] - marks["handed"]) * 1e3
+                            land = out_d.marks
+                            sample["push_scatter_ms"] = (land["notified"] - land["landed"]) * 1e3
                         sample |= _candidates(raw_p, raw_d, raw_d_name, ids, tokens)
                     if r == 0:
                         continue
@@ -323,8 +341,9 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 rows.append(row)
                 _print_row(row)
     finally:
-        for side in (prefill, decode, prefill_1ms, decode_1ms):
-            side.close()
+        for p_side, d_side, _ in pairs.values():
+            p_side.close()
+            d_side.close()
         for raw in (raw_p, raw_d):
             raw.close()
     return rows
@@ -339,7 +358,8 @@ def _free_port() -> int:
 
 
 def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> tuple:
-    """One push, decode registered first: (prefill's outcome, its caller's held seconds)."""
+    """One push, decode registered first: (prefill's outcome, its caller's held seconds,
+    decode's outcome)."""
     from kvpush.transfer.wire import TransferKey
 
     key = TransferKey(uuid.uuid4().hex)
@@ -349,7 +369,7 @@ def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> 
     fp, blocked_s = prefill.call("timed", "push", key, ids, tokens)
     out_p, out_d = prefill.wait(fp), decode.wait(fd)
     assert out_p.ok and out_d.ok, (out_p, out_d)
-    return out_p, blocked_s
+    return out_p, blocked_s, out_d
 
 
 def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, tokens: int) -> dict:
@@ -387,7 +407,8 @@ def _print_row(r: dict) -> None:
     )
     if "staged_estimate_ms_median" in r:
         print(
-            f"{'':>8}candidates: prepped WRITE {r['raw_prepped_write_ms_median']:.2f} ms, "
+            f"{'':>8}direct (staging off) {r['push_direct_ms_median']:.2f} ms; "
+            f"candidates: prepped WRITE {r['raw_prepped_write_ms_median']:.2f} ms, "
             f"gather {r['gather_ms_median']:.3f} ms + scatter {r['scatter_ms_median']:.3f} ms "
             f"(kernels), staged {r['staged_estimate_ms_median']:.2f} ms",
             flush=True,

@@ -47,6 +47,12 @@ class Agent:
         ]
         self._reg_descs.append(self._agent.register_memory(regions, layout.mem_type))
 
+    def register_area(self, addr: int, num_bytes: int, mem_type: str, dev_id: int) -> None:
+        """One more buffer peers may WRITE into or from (a staging area)."""
+        self._reg_descs.append(
+            self._agent.register_memory([(addr, num_bytes, dev_id, "")], mem_type)
+        )
+
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
 

@@ -64,9 +64,19 @@ def copy_rows(src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray, stream: A
     if _kernel is None:
         _kernel = _build()
     word = word_size(src, dst, num_bytes)
+    rows = np.stack([np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes)])
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        args = [
-            torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to("cuda")
-            for a in (src, dst, num_bytes)
-        ]
-        _kernel[(len(src),)](*args, WORD=word, CHUNK=1024)
+        args = torch.from_numpy(rows).to("cuda")  # one host-to-device copy for all rows
+        _kernel[(len(src),)](args[0], args[1], args[2], WORD=word, CHUNK=1024)
+
+
+def warm_up(stream: Any = None) -> None:
+    """Compile the kernel for every word size now (Triton compiles on first launch, which
+    takes about a second each), with 8-byte copies inside a scratch buffer."""
+    import torch
+
+    scratch = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    base = scratch.data_ptr()
+    for word in (8, 4, 1):
+        copy_rows(np.array([base]), np.array([base + 32]), np.array([word]), stream)
+    (stream or torch.cuda.current_stream()).synchronize()

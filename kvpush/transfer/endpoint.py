@@ -21,6 +21,7 @@ from kvpush.transfer import wire
 from kvpush.transfer.agent import Agent
 from kvpush.transfer.handshake import Link, SideChannel
 from kvpush.transfer.layout import KVLayout
+from kvpush.transfer.staging import Copier, StagingArea, resolve_staging_bytes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ class TransferConfig:
     debug_checksum: bool = False  # both sides hash every transferred token; DRAM only
     fast_poll_s: float = 0.0001  # poll step right after a WRITE is posted; 0: never faster
     fast_window_s: float = 0.005  # how long the fast step lasts after each post
+    # staging area for scattered pushes (staging.py), bytes per endpoint: None picks 1 GiB
+    # where the KV is in VRAM and none on DRAM; 0 turns staging off
+    staging_bytes: int | None = None
+    # prefill stages a push whose copy plan would post at least this many descriptors
+    # (estimated as block runs x regions), when both sides have a slot free
+    staging_min_descs: int = 512
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -65,6 +72,10 @@ class TransferConfig:
             raise ValueError(f"fast_poll_s must be in [0, {BUSY_POLL_MS} ms): {self.fast_poll_s}")
         if self.fast_window_s < 0:
             raise ValueError(f"fast_window_s must be >= 0, got {self.fast_window_s}")
+        if self.staging_bytes is not None and self.staging_bytes < 0:
+            raise ValueError(f"staging_bytes must be >= 0 or None, got {self.staging_bytes}")
+        if self.staging_min_descs < 1:
+            raise ValueError(f"staging_min_descs must be >= 1, got {self.staging_min_descs}")
         if self.heartbeat_s * 2 > self.dead_after_s:
             raise ValueError("heartbeat_s must be at most half of dead_after_s")
 
@@ -80,7 +91,8 @@ class Outcome:
     # prefill "handed" ("sourced" too when SOURCE started it), "planned" (first copy plan and
     # descriptors built), "posted" (first WRITE), "written" (last WRITE complete); decode
     # "expected", "registered" (first REGISTER sent), "announced" (first POSTED in),
-    # "notified" (all WRITEs in)
+    # "landed" (first staged WRITE in its slot, before the scatter), "notified" (all WRITEs
+    # in, and scattered); prefill "gathered" too when a WRITE was staged
     marks: dict[str, float] = field(default_factory=dict)
     first_token: int = -1  # decode: the token prefill sampled, from the WRITEs' notifications
     cause: str = ""  # when not ok: one of wire.CAUSES
@@ -110,6 +122,8 @@ class Endpoint:
         self._pending_links: set[str] = set()
         self._fast_until_s = 0.0  # see _hurry()
         self.channel: SideChannel | None = None
+        self.staging: StagingArea | None = None  # and its Copier, when staging is on
+        self.copier: Copier | None = None
         self._ready: Future = Future()
         name = f"kvpush-{self.role}-{config.engine_id}-{config.rank}"
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -153,6 +167,7 @@ class Endpoint:
             agent_name = f"{cfg.engine_id}-{self.role}-{cfg.rank}-{self.instance_id[:8]}"
             self.agent = Agent(agent_name, cfg.backends)
             self.agent.register(self.layout)
+            self._start_staging()
         except Exception as e:
             if self.channel is not None:
                 self.channel.close()
@@ -186,6 +201,14 @@ class Endpoint:
             self._shutdown()
             self.agent.close()
             self.channel.close()
+
+    def _start_staging(self) -> None:
+        lay = self.layout
+        size = resolve_staging_bytes(self.config.staging_bytes, lay.mem_type)
+        if size:
+            self.staging = StagingArea(size, lay.mem_type, lay.dev_id)
+            self.agent.register_area(self.staging.base_addr, size, lay.mem_type, lay.dev_id)
+            self.copier = Copier(lay.mem_type)
 
     def _run_commands(self) -> None:
         done: list[tuple[_Command, Any]] = []

@@ -148,6 +148,15 @@ def writer_heads(decode_heads: range, prefill_tp: int, total_heads: int) -> dict
     return {rank: range(hs[0], hs[-1] + 1) for rank, hs in out.items()}
 
 
+def padded_end(src: KVLayout, dst: KVLayout, end_token: int) -> int:
+    """Where a push with `pad_tail` stops: a partial last block is copied whole when both
+    sides' block sizes are equal (see plan_copies)."""
+    bs = src.block_size
+    if bs != dst.block_size:
+        return end_token
+    return -(-end_token // bs) * bs
+
+
 def plan_copies(
     src: KVLayout,
     dst: KVLayout,
@@ -186,9 +195,8 @@ def plan_copies(
     empty = np.zeros(0, dtype=np.int64)
     if start_token == end_token:
         return CopyPlan(empty, empty, empty)
-    bs = src.block_size
-    if pad_tail and bs == dst.block_size and end_token % bs:
-        end_token = end_token - end_token % bs + bs
+    if pad_tail:
+        end_token = padded_end(src, dst, end_token)
 
     # Token pieces that sit inside one source block and one destination block.
     cuts = [np.array([start_token, end_token], dtype=np.int64)]

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.handshake import Link
-from kvpush.transfer.layout import digest, rank_heads, writer_heads
+from kvpush.transfer.layout import digest, plan_copies, rank_heads, writer_heads
+from kvpush.transfer.staging import slot_bytes, slot_layout
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class _Expected:
     marks: dict[str, float] = field(default_factory=dict)  # see Outcome.marks
     first_token: int = -1
     engine_id: str | None = None  # the prefill engine the router named: checked in _flush
+    slots: list[int] = field(default_factory=list)  # staging slots reserved, freed at the end
 
 
 class DecodeEndpoint(Endpoint):
@@ -68,7 +70,15 @@ class DecodeEndpoint(Endpoint):
         # Keys that ended lately, bounded: a WRITE's notification may still arrive for one of
         # them (prefill's CANCEL_ACK, sent once that WRITE completed, can overtake it).
         self._ended: OrderedDict[wire.TransferKey, None] = OrderedDict()
-        self.counters = {"checksums_ok": 0, "checksum_mismatches": 0, "announcements": 0}
+        # "staged": WRITEs scattered from a staging slot; "staging_full": registrations sent
+        # without a slot because none was free
+        self.counters = {
+            "checksums_ok": 0,
+            "checksum_mismatches": 0,
+            "announcements": 0,
+            "staged": 0,
+            "staging_full": 0,
+        }
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -125,8 +135,18 @@ class DecodeEndpoint(Endpoint):
         exp.marks["expected"] = exp.started_s
         for p_rank, heads in plan.items():
             address = prefill.rank_address(p_rank)
+            slot, size = self._reserve_slot(heads, num_cached, num_tokens)
+            if slot:
+                exp.slots.append(slot)
             reg = wire.RegisterMsg(
-                key, block_ids, num_tokens, num_cached, (heads.start, heads.stop), counts[p_rank]
+                key,
+                block_ids,
+                num_tokens,
+                num_cached,
+                (heads.start, heads.stop),
+                counts[p_rank],
+                slot,
+                size,
             )
             exp.rank_address[p_rank] = address
             exp.registrations[p_rank] = reg
@@ -136,6 +156,19 @@ class DecodeEndpoint(Endpoint):
         for address in list(exp.unsent):
             self._flush(address)
         return exp.future
+
+    def _reserve_slot(self, heads: range, num_cached: int, num_tokens: int) -> tuple[int, int]:
+        """A staging slot for one registration's tokens and heads: (address, size), or
+        (0, 0) when staging is off, there is nothing to write, or no slot is free (prefill
+        then writes the blocks directly)."""
+        if self.staging is None or num_cached >= num_tokens:
+            return 0, 0
+        size = slot_bytes(slot_layout(0, self.layout, heads, num_cached, num_tokens)[0])
+        addr = self.staging.reserve(size)
+        if addr is None:
+            self.counters["staging_full"] += 1
+            return 0, 0
+        return addr, size
 
     def _flush(self, address: str) -> None:
         """Send the registrations queued for a prefill rank, handshaking first if needed."""
@@ -238,7 +271,30 @@ class DecodeEndpoint(Endpoint):
                     continue
                 if written.first_token >= 0:
                     exp.first_token = written.first_token
-                self._complete(written.key, address, self._verify(exp, written))
+                failure = self._scatter(exp, written) if written.staged_end else None
+                self._complete(written.key, address, failure or self._verify(exp, written))
+
+    def _scatter(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
+        """A staged WRITE landed in this registration's slot: copy it into the blocks, and
+        return only once that copy is complete (None), so that vLLM reads whole KV."""
+        if exp.cancel is not None:  # given up: the blocks are only quarantined now
+            return None
+        exp.marks.setdefault("landed", time.monotonic())
+        reg = exp.registrations[written.prefill_rank]
+        try:
+            if not reg.staging_addr or self.copier is None:
+                raise ValueError("prefill staged a WRITE for a registration without a slot")
+            heads = range(*reg.heads)
+            start = reg.num_cached_tokens
+            stage, ids = slot_layout(reg.staging_addr, self.layout, heads, start, reg.num_tokens)
+            plan = plan_copies(
+                stage, self.layout, ids, reg.block_ids, start, written.staged_end, heads
+            )
+            self.copier.run(plan)
+        except Exception as e:
+            return wire.Failure("write", f"scatter from the staging slot failed: {e}")
+        self.counters["staged"] += 1
+        return None
 
     def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
         """debug_checksum: compare what landed with what prefill hashed; None when equal."""
@@ -287,6 +343,9 @@ class DecodeEndpoint(Endpoint):
                     self._send(self.channel.link(address), wire.CancelMsg(key))
         if not exp.remaining:  # no prefill rank can write any more: resolve
             del self._expected[key]
+            if self.staging is not None:
+                for slot in exp.slots:
+                    self.staging.release(slot)
             self._ended[key] = None
             if len(self._ended) > _MAX_ENDED:
                 self._ended.popitem(last=False)
@@ -345,9 +404,10 @@ class DecodeEndpoint(Endpoint):
             "expected": len(waiting),
             "expected_blocks": sum(e.num_blocks for e in waiting),
             "quarantined_blocks": self._num_quarantined(),
+            "staging_held_bytes": self.staging.held_bytes if self.staging else 0,
         }
 
     def _shutdown(self) -> None:
         for key, exp in list(self._expected.items()):
             exp.remaining.clear()
-            self._end(key, exp, "decode endpoint closed")
+            self._end(key, exp, wire.Failure("other", "decode endpoint closed"))

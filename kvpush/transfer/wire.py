@@ -17,7 +17,7 @@ import msgspec
 
 from kvpush.transfer.layout import KVLayout
 
-PROTOCOL_VERSION = 3  # 2: FAIL carries a typed Failure; 3: POSTED
+PROTOCOL_VERSION = 4  # 2: FAIL carries a typed Failure; 3: POSTED; 4: staging slots
 
 # Why a transfer failed, as counted (kvpush:failures{cause}). Set where the failure happens
 # and carried on the wire (FAIL), never read back from the words of a reason.
@@ -107,6 +107,10 @@ class RegisterMsg(msgspec.Struct, tag="register"):
     num_cached_tokens: int  # leading tokens decode already holds: not written
     heads: tuple[int, int]  # [start, stop) global heads this prefill rank writes
     num_registrations: int  # decode ranks that register with this prefill rank for the key
+    # a staging slot decode reserved for this registration (staging.py): its address in
+    # decode's registered staging area and its size; 0: none, prefill writes the blocks
+    staging_addr: int = 0
+    staging_bytes: int = 0
 
 
 class CancelMsg(msgspec.Struct, tag="cancel"):
@@ -209,6 +213,7 @@ class WrittenMsg(msgspec.Struct, array_like=True):
     prefill_rank: int
     digest: bytes = b""  # debug_checksum: layout.digest() of what prefill sent
     first_token: int = -1  # the token prefill sampled (decode continues from it); -1: none
+    staged_end: int = 0  # >0: the WRITE went to decode's staging slot, tokens up to this one
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -13,10 +13,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
-from kvpush.transfer.layout import KVLayout, digest, plan_copies
+from kvpush.transfer.layout import KVLayout, digest, padded_end, plan_copies
 from kvpush.transfer.matcher import Action, Matcher, Release, Reply, Source, Write
+from kvpush.transfer.staging import slot_bytes, slot_layout
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,19 @@ class _InFlight:
     started_s: float
     num_bytes: int
     num_descs: int
+    slot: int | None = None  # staged: the staging slot it WRITEs from, freed when it ends
+
+
+@dataclass(frozen=True)
+class _Slot:
+    addr: int
+    size: int
+
+
+def _block_runs(block_ids: list[int], block_size: int, start: int, end: int) -> int:
+    """Runs of consecutive block ids among the blocks covering tokens [start, end)."""
+    ids = np.asarray(block_ids[start // block_size : -(-end // block_size)], dtype=np.int64)
+    return 1 + int(np.count_nonzero(np.diff(ids) != 1)) if len(ids) else 0
 
 
 class PrefillEndpoint(Endpoint):
@@ -51,6 +67,9 @@ class PrefillEndpoint(Endpoint):
         # Sources started from the scheduler's SOURCE whose push() has not come yet: the
         # future it will get, and when the source came (dropped after one lease).
         self._unclaimed: dict[wire.TransferKey, tuple[Future, float]] = {}
+        # WRITEs gathered through a staging slot, and WRITEs sent direct because this rank's
+        # staging area had no slot free
+        self.counters = {"staged": 0, "staging_full": 0}
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -200,6 +219,7 @@ class PrefillEndpoint(Endpoint):
 
     def _post(self, w: Write) -> None:
         peer = self._peers.get(w.peer)
+        staged = None
         try:
             if peer is None:
                 raise RuntimeError(f"decode peer {w.peer} is gone")
@@ -212,17 +232,26 @@ class PrefillEndpoint(Endpoint):
                 raise ValueError(
                     f"decode expects {reg.num_tokens} tokens, prefill has {w.source.num_tokens}"
                 )
-            plan = plan_copies(
-                self.layout,
-                peer.layout,
-                w.source.block_ids,
-                reg.block_ids,
-                reg.num_cached_tokens,
-                reg.num_tokens,
-                heads,
-                pad_tail=True,
-            )
-            src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
+            staged = self._stage(w, peer, heads)
+            if staged is None:  # direct: one descriptor per contiguous run of both sides
+                plan = plan_copies(
+                    self.layout,
+                    peer.layout,
+                    w.source.block_ids,
+                    reg.block_ids,
+                    reg.num_cached_tokens,
+                    reg.num_tokens,
+                    heads,
+                    pad_tail=True,
+                )
+                src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
+                num_descs, staged_end = plan.num_descs, 0
+            else:  # the gathered slot, one descriptor, into decode's slot
+                slot, plan, staged_end = staged
+                size = slot.size
+                src = np.array([[slot.addr, size, self.layout.dev_id]], dtype=np.uint64)
+                dst = np.array([[reg.staging_addr, size, peer.layout.dev_id]], dtype=np.uint64)
+                num_descs = 1
             if w.key in self._marks:
                 self._marks[w.key].setdefault("planned", time.monotonic())
             sent = b""
@@ -230,7 +259,9 @@ class PrefillEndpoint(Endpoint):
                 sent = digest(
                     self.layout, w.source.block_ids, reg.num_cached_tokens, reg.num_tokens, heads
                 )
-            written = wire.WrittenMsg(w.key, self.config.rank, sent, w.source.first_token)
+            written = wire.WrittenMsg(
+                w.key, self.config.rank, sent, w.source.first_token, staged_end
+            )
             notif = wire.encode(written)
             handle, state = self.agent.post(
                 "WRITE",
@@ -242,14 +273,19 @@ class PrefillEndpoint(Endpoint):
                 notif,
             )
         except Exception as e:
+            if staged is not None:
+                self._unstage(staged[0].addr)
             failure = wire.Failure("write", f"WRITE not posted: {e}")
             self._apply(self._matcher.write_done(w.key, w.peer, failure))
             return
         stats = self._stats.setdefault(w.key, [0, 0])
         stats[0] += plan.total_bytes
-        stats[1] += plan.num_descs
+        stats[1] += num_descs
         now = time.monotonic()
-        self._in_flight[(w.key, w.peer)] = _InFlight(handle, now, plan.total_bytes, plan.num_descs)
+        slot_addr = None if staged is None else staged[0].addr
+        self._in_flight[(w.key, w.peer)] = _InFlight(
+            handle, now, plan.total_bytes, num_descs, slot_addr
+        )
         if w.key in self._marks:  # a source this endpoint still holds
             self._marks[w.key].setdefault("posted", now)
         assert self.channel is not None
@@ -258,6 +294,49 @@ class PrefillEndpoint(Endpoint):
         if state == "ERR":
             self._finish_write(w.key, w.peer, "ERR")
 
+    def _stage(self, w: Write, peer: _DecodePeer, heads: range) -> tuple[_Slot, Any, int] | None:
+        """Gather the push into a slot of this rank's staging area (staging.py) when decode
+        offered a slot and the direct plan would post at least staging_min_descs
+        descriptors: (the slot, the gather plan, the token it stages up to). None: go direct
+        (no staging here or there, few descriptors, or no slot free)."""
+        reg = w.reg
+        if not reg.staging_addr or self.staging is None or self.copier is None:
+            return None
+        start, end = reg.num_cached_tokens, padded_end(self.layout, peer.layout, reg.num_tokens)
+        runs = max(
+            _block_runs(w.source.block_ids, self.layout.block_size, start, end),
+            _block_runs(reg.block_ids, peer.layout.block_size, start, end),
+        )
+        if runs * len(self.layout.regions) < self.config.staging_min_descs:
+            return None
+        size = slot_bytes(slot_layout(0, peer.layout, heads, start, reg.num_tokens)[0])
+        if size > reg.staging_bytes:
+            raise ValueError(f"decode's staging slot holds {reg.staging_bytes} B, need {size}")
+        addr = self.staging.reserve(size)
+        if addr is None:
+            self.counters["staging_full"] += 1
+            return None
+        try:
+            stage, ids = slot_layout(addr, peer.layout, heads, start, reg.num_tokens)
+            gather = plan_copies(self.layout, stage, w.source.block_ids, ids, start, end, heads)
+            self.copier.run(gather)
+        except Exception:
+            self._unstage(addr)
+            raise
+        self.counters["staged"] += 1
+        if w.key in self._marks:
+            self._marks[w.key].setdefault("gathered", time.monotonic())
+        return _Slot(addr, size), gather, end
+
+    def _unstage(self, addr: int | None) -> None:
+        if addr is not None and self.staging is not None:
+            self.staging.release(addr)
+
+    def _drop_flight(self, key: wire.TransferKey, peer: str) -> None:
+        flight = self._in_flight.pop((key, peer))
+        self.agent.release(flight.handle)
+        self._unstage(flight.slot)
+
     def _progress(self) -> None:
         for (key, peer), flight in list(self._in_flight.items()):
             state = self.agent.state(flight.handle)
@@ -265,8 +344,7 @@ class PrefillEndpoint(Endpoint):
                 self._finish_write(key, peer, state)
 
     def _finish_write(self, key: wire.TransferKey, peer: str, state: str) -> None:
-        flight = self._in_flight.pop((key, peer))
-        self.agent.release(flight.handle)
+        self._drop_flight(key, peer)
         if key in self._marks:  # not for a write that ends after its transfer was released
             self._marks[key]["written"] = time.monotonic()
         failure = None if state == "DONE" else wire.Failure("write", f"NIXL WRITE ended {state}")
@@ -275,7 +353,7 @@ class PrefillEndpoint(Endpoint):
     def _peer_dead(self, address: str, failure: wire.Failure) -> None:
         for key, peer in list(self._in_flight):
             if peer == address:
-                self.agent.release(self._in_flight.pop((key, peer)).handle)
+                self._drop_flight(key, peer)
         peer_state = self._peers.pop(address, None)
         if peer_state is not None:
             self.agent.remove_remote(peer_state.agent_name)
@@ -313,10 +391,11 @@ class PrefillEndpoint(Endpoint):
             "unclaimed_sources": len(self._unclaimed),
             "cancel_records": self._matcher.num_records,
             "peers": len(self._peers),
+            "staging_held_bytes": self.staging.held_bytes if self.staging else 0,
         }
 
     def _shutdown(self) -> None:
         for key, peer in list(self._in_flight):
-            self.agent.release(self._in_flight.pop((key, peer)).handle)
+            self._drop_flight(key, peer)
         for key in list(self._futures):
             self._release(Release(key, wire.Failure("other", "prefill endpoint closed")))

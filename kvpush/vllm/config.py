@@ -33,6 +33,8 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
     early_source: bool | Literal["auto"] = "auto"
+    staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    staging_min_descs: Annotated[int, msgspec.Meta(ge=1)] = 512
     debug_faults: bool = False
 
 
@@ -59,6 +61,12 @@ class ConnectorConfig:
     # "auto" (ExtraConfig): on unless the engine may run on one CPU only, where the push's
     # work then delays the API server's answer (docs/benchmarks.md, "Early SOURCE")
     early_source: bool = True
+    # staging area per worker for scattered pushes (kvpush.transfer.staging), in MiB: None
+    # is 1024 where the KV cache is in VRAM (outside vLLM's gpu_memory_utilization budget)
+    # and none on DRAM; 0 turns staging off. A push is staged when its copy plan would post
+    # at least staging_min_descs descriptors and both sides have a slot free
+    staging_mib: int | None = None
+    staging_min_descs: int = 512
     # tests only: a request's kv_transfer_params may name a connector hook to raise in
     # ("kvpush_debug_fault"; kvpush.vllm.scheduler.PushScheduler.inject)
     debug_faults: bool = False

@@ -25,11 +25,12 @@ GAUGES = {
     "expected": "decode: requests whose blocks wait for prefill's WRITEs",
     "expected_blocks": "decode: blocks held waiting for prefill",
     "quarantined_blocks": "decode: cancelled blocks prefill has not released yet",
+    "staging_held_bytes": "bytes of the staging area held by slots of staged pushes",
 }
 # kvpush.vllm.worker.PHASES, named here so this module stays importable without the worker
 PHASE_NAMES = (
     "handover", "next_step", "head_start", "pair_and_post", "write", "release",
-    "register", "wait_writes", "land", "report",
+    "register", "wait_writes", "land", "scatter", "report",
 )  # fmt: skip
 PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
@@ -143,7 +144,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             name="kvpush:phase_seconds",
             documentation="per-request timeline phases in the connector (kvpush.vllm.worker."
             "PHASES): prefill handover, next_step, head_start, pair_and_post, write, release; "
-            "decode register, wait_writes, land, report",
+            "decode register, wait_writes, land, scatter, report",
             labelnames=[*labelnames, "phase"],
             buckets=PHASE_BUCKETS_S,
         )

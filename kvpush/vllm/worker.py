@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # "head_start" how long before that the scheduler's SOURCE had started it (only then).
 # Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
 # finished receiving; "land" is the part of wait_writes after prefill announced its first
-# WRITE (POSTED).
+# WRITE (POSTED); "scatter" the part after a staged WRITE landed in its slot (staging.py).
 PHASES = {
     "handover": ("finished", "handed"),
     "next_step": ("finished", "started"),
@@ -42,6 +42,7 @@ PHASES = {
     "register": ("expected", "registered"),
     "wait_writes": ("registered", "notified"),
     "land": ("announced", "notified"),
+    "scatter": ("landed", "notified"),
     "report": ("notified", "reported"),
 }
 
@@ -110,6 +111,8 @@ class PushWorker:
             heartbeat_s=cfg.heartbeat_s,
             debug_checksum=cfg.debug_checksum,
             fast_poll_s=cfg.fast_poll_s,
+            staging_bytes=None if cfg.staging_mib is None else cfg.staging_mib << 20,
+            staging_min_descs=cfg.staging_min_descs,
         )
         cls = PrefillEndpoint if cfg.is_prefill else DecodeEndpoint
         self.endpoint = cls(transfer, layout)

@@ -199,17 +199,18 @@ def test_a_wrong_prefill_engine_id_fails_each_transfer_that_names_it(sides):
     assert_idle(prefill, decode)
 
 
-@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16)])
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16), (16, 64), (64, 16)])
 def test_block_size_mismatch_lands_token_exact(sides, src_bs, dst_bs):
     check_block_sizes(sides, src_bs, dst_bs)
 
 
-def check_block_sizes(sides, src_bs: int, dst_bs: int, device: str = "cpu") -> None:
+def check_block_sizes(sides, src_bs: int, dst_bs: int, device: str = "cpu", **cfg) -> list:
+    """`cfg`: more TransferConfig fields for both sides (staging, in test_staging)."""
     port = free_port()
-    prefill = sides("prefill", prefill_config(port), spec(block_size=src_bs, device=device))
-    decode = sides("decode", decode_config(), spec(block_size=dst_bs, device=device))
-    src_ids = list(range(3, 3 + 96 // src_bs))
-    dst_ids = [9, 4, 20, 21, 22, 30][: 96 // dst_bs]
+    prefill = sides("prefill", prefill_config(port, **cfg), spec(block_size=src_bs, device=device))
+    decode = sides("decode", decode_config(**cfg), spec(block_size=dst_bs, device=device))
+    src_ids = list(range(3, 3 + -(-96 // src_bs)))
+    dst_ids = [9, 4, 20, 21, 22, 30][: -(-96 // dst_bs)]
     key = new_key()
     src, before = prefill.call("regions"), decode.call("regions")
     fd = decode.call("expect", key, PrefillAddress("127.0.0.1", port), dst_ids, 90, 20)
@@ -220,6 +221,7 @@ def check_block_sizes(sides, src_bs: int, dst_bs: int, device: str = "cpu") -> N
     )
     for got, exp in zip(decode.call("regions"), want, strict=True):
         assert np.array_equal(got, exp)
+    return [prefill, decode]
 
 
 def _tp(rank: int, tp: int, heads: int = 4, device: str = "cpu"):
@@ -231,28 +233,32 @@ def test_tp1_prefill_to_tp2_decode_splits_heads(sides):
     tp1_to_tp2(sides)
 
 
-def tp1_to_tp2(sides, device: str = "cpu") -> None:
+def tp1_to_tp2(sides, device: str = "cpu", **cfg) -> list:
     port = free_port()
-    prefill = sides("prefill", prefill_config(port), _tp(0, 1, device=device))
+    prefill = sides("prefill", prefill_config(port, **cfg), _tp(0, 1, device=device))
     decodes = [
-        sides("decode", decode_config(rank=r, tp_size=2), _tp(r, 2, device=device))
+        sides("decode", decode_config(rank=r, tp_size=2, **cfg), _tp(r, 2, device=device))
         for r in range(2)
     ]
     check_tp(port, [prefill], decodes, prefill_tp=1)
+    return [prefill, *decodes]
 
 
 def test_tp2_prefill_to_tp1_decode_gathers_heads(sides):
     tp2_to_tp1(sides)
 
 
-def tp2_to_tp1(sides, device: str = "cpu") -> None:
+def tp2_to_tp1(sides, device: str = "cpu", **cfg) -> list:
     port = free_port(span=2)
     prefills = [
-        sides("prefill", prefill_config(port + r, rank=r, tp_size=2), _tp(r, 2, device=device))
+        sides(
+            "prefill", prefill_config(port + r, rank=r, tp_size=2, **cfg), _tp(r, 2, device=device)
+        )
         for r in range(2)
     ]
-    decode = sides("decode", decode_config(), _tp(0, 1, device=device))
+    decode = sides("decode", decode_config(**cfg), _tp(0, 1, device=device))
     check_tp(port, prefills, [decode], prefill_tp=2)
+    return [*prefills, decode]
 
 
 def check_tp(port, prefills, decodes, prefill_tp):

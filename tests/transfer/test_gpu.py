@@ -138,3 +138,45 @@ def test_batch_copy_kernel_moves_scattered_rows_byte_exact():
         for s, n in zip(starts, lengths, strict=True):
             outside[s : s + n] = False
         assert not back[outside].any(), "the scatter wrote outside its rows"
+
+
+STAGED = {"staging_bytes": 64 << 20, "staging_min_descs": 1}  # every push with 1+ runs
+
+
+def test_cuda_staged_push_of_scattered_blocks_is_one_write_byte_exact(sides):
+    port = free_port()
+    prefill = sides("prefill", prefill_config(port, **STAGED), CUDA)
+    decode = sides("decode", decode_config(**STAGED), CUDA)
+    address = PrefillAddress("127.0.0.1", port)
+    out = push(prefill, decode, address, [5, 9, 7, 8, 30], [20, 41, 30, 3, 12], 80)
+    assert out.num_descs == 1
+    decode.call("reset")
+    push(prefill, decode, address, [0, 4, 2, 9], [50, 51, 8, 53], 60, cached=24)
+    assert [c["staged"] for c in (prefill.call("counters"), decode.call("counters"))] == [2, 2]
+    assert_idle(prefill, decode)
+
+
+def test_cuda_stages_by_default_once_a_plan_has_many_descriptors(sides):
+    """The defaults on VRAM: a staging area, and staging from 512 descriptors up."""
+    port = free_port()
+    big = spec(device="cuda", num_blocks=1024)
+    prefill = sides("prefill", prefill_config(port), big)
+    decode = sides("decode", decode_config(), big)
+    address = PrefillAddress("127.0.0.1", port)
+    few = push(prefill, decode, address, [1, 3, 5], [2, 4, 6], 48)  # 3 runs x 2 regions
+    many = push(prefill, decode, address, list(range(0, 600, 2)), list(range(1, 601, 2)), 4800)
+    assert (few.num_descs, many.num_descs) == (3 * SPEC.num_regions, 1)
+    assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16), (16, 64), (64, 16)])
+def test_cuda_staged_block_size_change_lands_token_exact(sides, src_bs, dst_bs):
+    started = check_block_sizes(sides, src_bs, dst_bs, device="cuda", **STAGED)
+    assert [s.call("counters")["staged"] for s in started] == [1, 1]
+
+
+def test_cuda_staged_tp_split_and_gather(sides):
+    split = tp1_to_tp2(sides, device="cuda", **STAGED)
+    assert [s.call("counters")["staged"] for s in split] == [2, 1, 1]
+    gather = tp2_to_tp1(sides, device="cuda", **STAGED)
+    assert [s.call("counters")["staged"] for s in gather] == [1, 1, 2]

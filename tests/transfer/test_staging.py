@@ -1,0 +1,177 @@
+"""Staged pushes (kvpush.transfer.staging): gather into a slot, one WRITE, scatter.
+
+Staging is off on DRAM by default (its place is VRAM, test_gpu.py runs it there); these
+tests turn it on for real endpoints over NIXL/UCX on DRAM, where the copies are memmoves,
+so the protocol, the slot bookkeeping and every layout change run in the CPU suite.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvpush.transfer.layout import KVLayout, RegionSpec, plan_copies
+from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.staging import SLOT_ALIGN, Copier, StagingArea, slot_bytes, slot_layout
+from tests.transfer.conftest import (
+    SPEC,
+    assert_idle,
+    decode_config,
+    free_port,
+    prefill_config,
+    wait_for,
+)
+from tests.transfer.test_faults import check_block_sizes, sides, tp1_to_tp2, tp2_to_tp1
+from tests.transfer.test_push import new_key, push
+
+__all__ = ["sides"]  # the fixture, shared with test_faults
+STAGED = {"staging_bytes": 1 << 20, "staging_min_descs": 1}  # every push with 1+ runs
+
+
+@pytest.fixture(scope="module")
+def staged_pair():
+    from kvpush.transfer.harness import Side
+
+    port = free_port()
+    prefill = Side("prefill", prefill_config(port, **STAGED), SPEC, seed=11)
+    decode = Side("decode", decode_config(**STAGED), SPEC)
+    yield prefill, decode, PrefillAddress("127.0.0.1", port)
+    prefill.close()
+    decode.close()
+
+
+def counters(*sides) -> list[dict]:
+    return [s.call("counters") for s in sides]
+
+
+def test_the_area_hands_out_aligned_slots_first_fit_and_merges_what_comes_back():
+    area = StagingArea(4 * SLOT_ALIGN, "DRAM")
+    a = area.reserve(1)
+    b = area.reserve(SLOT_ALIGN + 1)  # rounded up to two units
+    assert (a - area.base_addr, b - area.base_addr) == (0, SLOT_ALIGN)
+    assert area.held_bytes == 3 * SLOT_ALIGN
+    assert area.reserve(2 * SLOT_ALIGN) is None  # one unit left
+    area.release(a)
+    area.release(b)
+    assert area.held_bytes == 0
+    assert area.reserve(4 * SLOT_ALIGN) == area.base_addr  # the pieces merged again
+    with pytest.raises(KeyError):
+        area.release(area.base_addr + SLOT_ALIGN)  # not a slot's start
+
+
+def test_gather_then_scatter_through_a_slot_equals_the_direct_plan():
+    """Without NIXL: the two copy plans through a slot move the same bytes as one plan."""
+    rng = np.random.default_rng(3)
+    kw = dict(num_blocks=8, block_size=4, num_heads=2, head_bytes=8, head_major=True)
+    src_mem = [rng.integers(0, 256, 8 * 64, dtype=np.uint8) for _ in range(2)]
+    direct_mem = [np.zeros(8 * 64, np.uint8) for _ in range(2)]
+    staged_mem = [np.zeros(8 * 64, np.uint8) for _ in range(2)]
+
+    def layout(mem):
+        return KVLayout(tuple(RegionSpec(m.ctypes.data, 64) for m in mem), **kw)
+
+    src, direct, dst = layout(src_mem), layout(direct_mem), layout(staged_mem)
+    src_ids, dst_ids, heads = [5, 1, 6, 2], [0, 7, 3, 4], range(1, 2)
+    Copier("DRAM").run(plan_copies(src, direct, src_ids, dst_ids, 3, 14, heads))
+    probe, _ = slot_layout(0, dst, heads, 3, 14)
+    area = StagingArea(slot_bytes(probe), "DRAM")
+    slot = area.reserve(slot_bytes(probe))
+    stage, ids = slot_layout(slot, dst, heads, 3, 14)
+    Copier("DRAM").run(plan_copies(src, stage, src_ids, ids, 3, 14, heads))
+    Copier("DRAM").run(plan_copies(stage, dst, ids, dst_ids, 3, 14, heads))
+    for a, b in zip(direct_mem, staged_mem, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_scattered_blocks_go_as_one_write_and_land_byte_exact(staged_pair):
+    prefill, decode, address = staged_pair
+    before = counters(prefill, decode)
+    out = push(prefill, decode, address, [5, 9, 7, 8, 30], [20, 41, 30, 3, 12], 80)
+    assert out.num_descs == 1  # the slot, not 5 runs x 2 regions
+    assert out.num_bytes == 80 * SPEC.num_heads * SPEC.head_bytes * SPEC.num_regions
+    after = counters(prefill, decode)
+    assert [a["staged"] - b["staged"] for a, b in zip(after, before, strict=True)] == [1, 1]
+    assert_idle(prefill, decode)  # staging_held_bytes back to 0 on both sides
+
+
+@pytest.mark.parametrize("order", ["register", "prefill-first"])
+@pytest.mark.parametrize("cached", [0, 24])
+def test_staged_push_keeps_a_cached_prefix_and_either_arrival_order(staged_pair, order, cached):
+    prefill, decode, address = staged_pair
+    decode.call("reset")
+    push(prefill, decode, address, [0, 4, 2, 9], [50, 51, 8, 53], 60, cached, order)
+    assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize(("src_bs", "dst_bs"), [(16, 32), (32, 16), (16, 64), (64, 16)])
+def test_staged_push_changes_block_size_token_exact(sides, src_bs, dst_bs):
+    prefill, decode = check_block_sizes(sides, src_bs, dst_bs, **STAGED)
+    assert [c["staged"] for c in counters(prefill, decode)] == [1, 1]
+    assert_idle(prefill, decode)
+
+
+def test_staged_push_splits_heads_from_tp1_to_tp2(sides):
+    started = tp1_to_tp2(sides, **STAGED)
+    assert [c["staged"] for c in counters(*started)] == [2, 1, 1]  # one WRITE per decode rank
+    assert_idle(*started)
+
+
+def test_staged_push_gathers_heads_from_tp2_to_tp1(sides):
+    started = tp2_to_tp1(sides, **STAGED)
+    assert [c["staged"] for c in counters(*started)] == [1, 1, 2]  # one slot per prefill rank
+    assert_idle(*started)
+
+
+def test_few_descriptors_go_direct(sides):
+    port = free_port()
+    more = STAGED | {"staging_min_descs": 1000}
+    prefill = sides("prefill", prefill_config(port, **more))
+    decode = sides("decode", decode_config(**more))
+    out = push(prefill, decode, PrefillAddress("127.0.0.1", port), [1, 5], [7, 3], 32)
+    assert out.num_descs == 2 * SPEC.num_regions
+    assert [c["staged"] for c in counters(prefill, decode)] == [0, 0]
+    assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("full", ["prefill", "decode"])
+def test_a_push_that_finds_no_slot_free_goes_direct(sides, full):
+    """A slot too small for the push on one side: nothing is staged, all of it lands."""
+    port = free_port()
+    tiny = STAGED | {"staging_bytes": SLOT_ALIGN}
+    prefill = sides("prefill", prefill_config(port, **(tiny if full == "prefill" else STAGED)))
+    decode = sides("decode", decode_config(**(tiny if full == "decode" else STAGED)))
+    out = push(prefill, decode, PrefillAddress("127.0.0.1", port), [1, 5, 9], [7, 3, 11], 48)
+    assert out.num_descs == 3 * SPEC.num_regions
+    p, d = counters(prefill, decode)
+    assert (p["staged"], d["staged"]) == (0, 0)
+    assert (p["staging_full"], d["staging_full"]) == ((1, 0) if full == "prefill" else (0, 1))
+    assert_idle(prefill, decode)
+
+
+def test_staging_on_one_side_only_goes_direct(sides):
+    port = free_port()
+    prefill = sides("prefill", prefill_config(port))  # DRAM default: no staging area
+    decode = sides("decode", decode_config(**STAGED))
+    out = push(prefill, decode, PrefillAddress("127.0.0.1", port), [1, 5], [7, 3], 32)
+    assert out.num_descs == 2 * SPEC.num_regions
+    assert counters(decode)[0]["staged"] == 0
+    assert_idle(prefill, decode)
+
+
+def test_a_cancelled_staged_registration_frees_its_slot(staged_pair):
+    prefill, decode, address = staged_pair
+    decode.call("reset")
+    key = new_key()
+    fd = decode.call("expect", key, address, [1, 9, 4], 48)
+    wait_for(lambda: decode.call("gauges")["staging_held_bytes"] > 0, 5, "a slot reserved")
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "the registration")
+    assert decode.wait(decode.call("cancel", key), timeout_s=5).ok
+    assert not decode.wait(fd).ok
+    time.sleep(0.2)
+    # prefill's late source finds the key cancelled: nothing is gathered or written
+    out = prefill.wait(prefill.call("push", key, [2, 3, 6], 48), timeout_s=5)
+    assert not out.ok and "cancelled" in out.reason, out
+    assert all((r == 0xEE).all() for r in decode.call("regions")), "a cancelled block was written"
+    assert_idle(prefill, decode)
