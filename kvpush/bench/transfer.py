@@ -22,6 +22,8 @@ raw WRITE). Per grid point, medians of several repeats:
   descriptors (kvpush.transfer.staging; push_gather_ms / push_scatter_ms are its copies,
   hand-over -> gathered on prefill, landed -> scattered on decode), and push_direct_ms the
   same push through a third endpoint pair with staging off, in the same run;
+  push_landed_ms / push_direct_landed_ms: from prefill's hand-over until decode counts the
+  data landed (for a staged push, after its scatter): what the request waits for;
 - with `--device cuda`, the candidates for scattered blocks (issue 12), on the same blocks:
   raw_prepped_write_ms (NIXL's prepared descriptor lists, prepared untimed),
   gather_ms / scatter_ms (a staged transfer's device steps, one batched-copy kernel), and
@@ -304,6 +306,12 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                     }
                     if spec.device != "cpu":  # the candidates of issue 12
                         sample["push_direct_ms"] = pushed["push_direct"][0].elapsed_s * 1e3
+                        # hand-over on prefill -> decode counts the data landed (and, staged,
+                        # scattered): what a request waits for, on one host's clock
+                        for name in ("push", "push_direct"):
+                            p_out, _, d_out = pushed[name]
+                            landed_s = d_out.marks["notified"] - p_out.marks["handed"]
+                            sample[f"{name}_landed_ms"] = landed_s * 1e3
                         if "gathered" in marks:  # staged: the push's gather, decode's scatter
                             sample["push_gather_ms"] = (marks["gathered"] - marks["handed"]) * 1e3
                             land = out_d.marks
@@ -407,7 +415,9 @@ def _print_row(r: dict) -> None:
     )
     if "staged_estimate_ms_median" in r:
         print(
-            f"{'':>8}direct (staging off) {r['push_direct_ms_median']:.2f} ms; "
+            f"{'':>8}landed on decode {r['push_landed_ms_median']:.2f} ms; direct (staging "
+            f"off) {r['push_direct_ms_median']:.2f} ms, landed "
+            f"{r['push_direct_landed_ms_median']:.2f} ms; "
             f"candidates: prepped WRITE {r['raw_prepped_write_ms_median']:.2f} ms, "
             f"gather {r['gather_ms_median']:.3f} ms + scatter {r['scatter_ms_median']:.3f} ms "
             f"(kernels), staged {r['staged_estimate_ms_median']:.2f} ms",

@@ -2,8 +2,10 @@
 of a staged transfer, measured by `kvpush bench transfer --device cuda` (issue 12).
 
 A scattered copy plan of 16k tokens is 131,072 rows of 4 KiB. Posted as NIXL descriptors
-each row costs about 7 us; copied by one kernel launch (one program per row, 8-byte words
-where every address and length allows) the rows move at device-memory speed.
+each row costs about 7 us; copied by one kernel launch (one program per row and region,
+8-byte words where every address and length allows) the rows move at device-memory speed.
+The rows come relative to a region's base, with the bases apart (layout.RegionPlan): the
+host builds and uploads one region's rows (1,024 for those 16k tokens), not every region's.
 
 CUDA only: Triton and PyTorch are imported when first used.
 """
@@ -15,6 +17,10 @@ from typing import Any
 import numpy as np
 
 _kernel: Any = None
+# Words each program moves per step, and warps per program. Each (chunk, num_warps) is a
+# kernel of its own for Triton, compiled on first use; warm_up() compiles the defaults.
+CHUNK = 1024
+NUM_WARPS = 4
 
 
 def _build() -> Any:
@@ -22,16 +28,25 @@ def _build() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def copy_rows(src_ptr, dst_ptr, len_ptr, WORD: tl.constexpr, CHUNK: tl.constexpr):
+    def copy_rows(
+        src_ptr,
+        dst_ptr,
+        len_ptr,
+        src_base_ptr,
+        dst_base_ptr,
+        WORD: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
         row = tl.program_id(0)
+        region = tl.program_id(1)
         if WORD == 8:
             ty = tl.pointer_type(tl.int64)
         elif WORD == 4:
             ty = tl.pointer_type(tl.int32)
         else:
             ty = tl.pointer_type(tl.int8)
-        src = tl.load(src_ptr + row).to(ty)
-        dst = tl.load(dst_ptr + row).to(ty)
+        src = (tl.load(src_base_ptr + region) + tl.load(src_ptr + row)).to(ty)
+        dst = (tl.load(dst_base_ptr + region) + tl.load(dst_ptr + row)).to(ty)
         n = tl.load(len_ptr + row) // WORD
         offs = tl.arange(0, CHUNK)
         for start in range(0, n, CHUNK):
@@ -42,10 +57,10 @@ def _build() -> Any:
     return copy_rows
 
 
-def word_size(src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray) -> int:
+def word_size(*arrays: Any) -> int:
     """The widest word (8, 4 or 1 bytes) that every address and length is a multiple of."""
     every = 0
-    for a in (src, dst, num_bytes):
+    for a in arrays:
         every |= int(np.bitwise_or.reduce(np.asarray(a, dtype=np.int64)))
     for word in (8, 4):
         if every % word == 0:
@@ -53,21 +68,52 @@ def word_size(src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray) -> int:
     return 1
 
 
-def copy_rows(src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray, stream: Any = None) -> None:
-    """Launch one kernel copying num_bytes[i] bytes from device address src[i] to dst[i] on
-    `stream` (the current one by default). Returns at once; order and wait with the stream."""
+def copy_rows(
+    src: np.ndarray,
+    dst: np.ndarray,
+    num_bytes: np.ndarray,
+    stream: Any = None,
+    src_bases: Any = (0,),
+    dst_bases: Any = (0,),
+    chunk: int = CHUNK,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """Launch one kernel copying num_bytes[i] bytes from device address src_bases[r] + src[i]
+    to dst_bases[r] + dst[i], for every row i and every region r (the rows of a plan that
+    repeats in each region: layout.RegionPlan), on `stream` (the current one by default).
+    Returns at once; order and wait with the stream."""
     global _kernel
     import torch
 
-    if len(src) == 0:
+    if len(src) == 0 or len(src_bases) == 0:
         return
     if _kernel is None:
         _kernel = _build()
-    word = word_size(src, dst, num_bytes)
-    rows = np.stack([np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes)])
+    packed, word = pack(src, dst, num_bytes, src_bases, dst_bases)
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        args = torch.from_numpy(rows).to("cuda")  # one host-to-device copy for all rows
-        _kernel[(len(src),)](args[0], args[1], args[2], WORD=word, CHUNK=1024)
+        args = torch.from_numpy(packed).to("cuda")  # one host-to-device copy for everything
+        launch(_kernel, args, len(src), word, chunk, num_warps)
+
+
+def pack(
+    src: Any, dst: Any, num_bytes: Any, src_bases: Any, dst_bases: Any
+) -> tuple[np.ndarray, int]:
+    """The kernel's arguments as one int64 array (rows' src, dst, lengths, then the regions'
+    source and destination bases), and the word size they allow."""
+    if len(src_bases) != len(dst_bases):
+        raise ValueError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions")
+    arrays = [np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes, src_bases, dst_bases)]
+    return np.concatenate(arrays), word_size(*arrays)
+
+
+def launch(kernel: Any, args: Any, num_rows: int, word: int, chunk: int, num_warps: int) -> None:
+    """Run `kernel` over a packed argument tensor (pack()) already where the kernel runs."""
+    n = num_rows
+    rows, bases = args[: 3 * n].view(3, n), args[3 * n :].view(2, -1)
+    grid = (n, bases.shape[1])
+    kernel[grid](
+        rows[0], rows[1], rows[2], bases[0], bases[1], WORD=word, CHUNK=chunk, num_warps=num_warps
+    )
 
 
 def warm_up(stream: Any = None) -> None:

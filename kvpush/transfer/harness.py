@@ -123,6 +123,15 @@ def _child(
 
         Agent.register = register_half  # type: ignore[method-assign]
 
+    if fault == "gather-fails":
+        # Fault injection: every staged copy raises, as a failed kernel launch would.
+        from kvpush.transfer.staging import Copier
+
+        def broken(self: Copier, plan: Any) -> None:
+            raise RuntimeError("injected: the copy kernel failed")
+
+        Copier.run = broken  # type: ignore[method-assign]
+
     log_dir = os.environ.get("KVPUSH_CHILD_LOG_DIR")
     if log_dir:  # UCX and NIXL print from C: keep their lines per process
         fd = os.open(f"{log_dir}/{role}-{os.getpid()}.log", os.O_WRONLY | os.O_CREAT, 0o644)

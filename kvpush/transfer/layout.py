@@ -120,6 +120,72 @@ class CopyPlan:
         return src.astype(np.uint64), dst.astype(np.uint64)
 
 
+@dataclass(frozen=True)
+class RegionPlan:
+    """A copy plan that repeats in every region: `rows` are offsets from a region's base,
+    and row i copies src_bases[r] + rows.src_addrs[i] -> dst_bases[r] + rows.dst_addrs[i]
+    for every region r. Where regions differ in block stride, one pseudo-region at base 0
+    carries the absolute plan."""
+
+    rows: CopyPlan
+    src_bases: np.ndarray
+    dst_bases: np.ndarray
+
+    @property
+    def total_bytes(self) -> int:
+        return self.rows.total_bytes * len(self.src_bases)
+
+    def absolute(self) -> CopyPlan:
+        """Every row of every region, with absolute addresses."""
+        r = self.rows
+        n = len(self.src_bases)
+        return CopyPlan(
+            (self.src_bases[:, None] + r.src_addrs[None, :]).reshape(-1),
+            (self.dst_bases[:, None] + r.dst_addrs[None, :]).reshape(-1),
+            np.tile(r.num_bytes, n),
+        )
+
+
+def plan_regions(
+    src: KVLayout,
+    dst: KVLayout,
+    src_block_ids: list[int],
+    dst_block_ids: list[int],
+    start_token: int,
+    end_token: int,
+    heads: range | None = None,
+) -> RegionPlan:
+    """plan_copies, factored by region: the rows of one region, built once, and every
+    region's base. Exact where every region of a side has one block stride (vLLM's layers
+    do), since the rows then differ between regions only by the base."""
+    strides = [{r.block_stride_bytes for r in lay.regions} for lay in (src, dst)]
+    if any(len(s) > 1 for s in strides):
+        plan = plan_copies(src, dst, src_block_ids, dst_block_ids, start_token, end_token, heads)
+        zero = np.zeros(1, dtype=np.int64)
+        return RegionPlan(plan, zero, zero)
+
+    def one_region(lay: KVLayout) -> KVLayout:
+        return msgspec.structs.replace(
+            lay, regions=(RegionSpec(0, lay.regions[0].block_stride_bytes),)
+        )
+
+    def bases(lay: KVLayout) -> np.ndarray:
+        return np.array([r.base_addr for r in lay.regions], dtype=np.int64)
+
+    if len(src.regions) != len(dst.regions):
+        raise ValueError(f"layouts cannot be copied: {src.shape_key()} vs {dst.shape_key()}")
+    rows = plan_copies(
+        one_region(src),
+        one_region(dst),
+        src_block_ids,
+        dst_block_ids,
+        start_token,
+        end_token,
+        heads,
+    )
+    return RegionPlan(rows, bases(src), bases(dst))
+
+
 def head_owner(head: int, tp_size: int, total_heads: int) -> int:
     """The one rank of a TP group that writes `head` (the first holder when heads replicate)."""
     if tp_size <= total_heads:

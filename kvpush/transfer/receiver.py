@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.handshake import Link
-from kvpush.transfer.layout import digest, plan_copies, rank_heads, writer_heads
+from kvpush.transfer.layout import digest, plan_regions, rank_heads, writer_heads
 from kvpush.transfer.staging import slot_bytes, slot_layout
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ class DecodeEndpoint(Endpoint):
             heads = range(*reg.heads)
             start = reg.num_cached_tokens
             stage, ids = slot_layout(reg.staging_addr, self.layout, heads, start, reg.num_tokens)
-            plan = plan_copies(
+            plan = plan_regions(
                 stage, self.layout, ids, reg.block_ids, start, written.staged_end, heads
             )
             self.copier.run(plan)

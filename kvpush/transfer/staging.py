@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.transfer.layout import CopyPlan, KVLayout, RegionSpec
+from kvpush.transfer.layout import KVLayout, RegionPlan, RegionSpec
 
 SLOT_ALIGN = 256  # bytes: every slot starts on this, so the kernel can copy in 8-byte words
 DEFAULT_VRAM_STAGING_BYTES = 1 << 30  # per endpoint, where the KV cache is in VRAM
@@ -143,19 +143,28 @@ class Copier:
             self._stream = torch.cuda.Stream()
             batchcopy.warm_up(self._stream)  # compile now, not on the first push
 
-    def run(self, plan: CopyPlan) -> None:
-        if plan.num_descs == 0:
+    def run(self, plan: RegionPlan) -> None:
+        if plan.rows.num_descs == 0:
             return
         if self._stream is None:
-            src, dst = plan.src_addrs.tolist(), plan.dst_addrs.tolist()
-            for s, d, n in zip(src, dst, plan.num_bytes.tolist(), strict=True):
+            flat = plan.absolute()
+            src, dst = flat.src_addrs.tolist(), flat.dst_addrs.tolist()
+            for s, d, n in zip(src, dst, flat.num_bytes.tolist(), strict=True):
                 ctypes.memmove(d, s, n)
             return
         import torch
 
         from kvpush.transfer.batchcopy import copy_rows
 
-        copy_rows(plan.src_addrs, plan.dst_addrs, plan.num_bytes, self._stream)
+        rows = plan.rows
+        copy_rows(
+            rows.src_addrs,
+            rows.dst_addrs,
+            rows.num_bytes,
+            self._stream,
+            plan.src_bases,
+            plan.dst_bases,
+        )
         done = torch.cuda.Event(blocking=True)
         done.record(self._stream)
         done.synchronize()

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
-from kvpush.transfer.layout import KVLayout, digest, padded_end, plan_copies
+from kvpush.transfer.layout import KVLayout, digest, padded_end, plan_copies, plan_regions
 from kvpush.transfer.matcher import Action, Matcher, Release, Reply, Source, Write
 from kvpush.transfer.staging import slot_bytes, slot_layout
 
@@ -68,8 +68,8 @@ class PrefillEndpoint(Endpoint):
         # future it will get, and when the source came (dropped after one lease).
         self._unclaimed: dict[wire.TransferKey, tuple[Future, float]] = {}
         # WRITEs gathered through a staging slot, and WRITEs sent direct because this rank's
-        # staging area had no slot free
-        self.counters = {"staged": 0, "staging_full": 0}
+        # staging area had no slot free or the gather failed
+        self.counters = {"staged": 0, "staging_full": 0, "staging_errors": 0}
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -298,7 +298,7 @@ class PrefillEndpoint(Endpoint):
         """Gather the push into a slot of this rank's staging area (staging.py) when decode
         offered a slot and the direct plan would post at least staging_min_descs
         descriptors: (the slot, the gather plan, the token it stages up to). None: go direct
-        (no staging here or there, few descriptors, or no slot free)."""
+        (no staging here or there, few descriptors, no slot free, or the gather failed)."""
         reg = w.reg
         if not reg.staging_addr or self.staging is None or self.copier is None:
             return None
@@ -318,11 +318,13 @@ class PrefillEndpoint(Endpoint):
             return None
         try:
             stage, ids = slot_layout(addr, peer.layout, heads, start, reg.num_tokens)
-            gather = plan_copies(self.layout, stage, w.source.block_ids, ids, start, end, heads)
+            gather = plan_regions(self.layout, stage, w.source.block_ids, ids, start, end, heads)
             self.copier.run(gather)
-        except Exception:
+        except Exception as e:  # nothing reached decode yet: the direct path still can
             self._unstage(addr)
-            raise
+            self.counters["staging_errors"] += 1
+            log.warning("prefill: gather for %s failed, writing it direct: %s", w.key, e)
+            return None
         self.counters["staged"] += 1
         if w.key in self._marks:
             self._marks[w.key].setdefault("gathered", time.monotonic())

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kvpush.transfer.layout import KVLayout, RegionSpec, plan_copies
+from kvpush.transfer.layout import KVLayout, RegionSpec, plan_copies, plan_regions
 from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.staging import SLOT_ALIGN, Copier, StagingArea, slot_bytes, slot_layout
 from tests.transfer.conftest import (
@@ -74,15 +74,39 @@ def test_gather_then_scatter_through_a_slot_equals_the_direct_plan():
 
     src, direct, dst = layout(src_mem), layout(direct_mem), layout(staged_mem)
     src_ids, dst_ids, heads = [5, 1, 6, 2], [0, 7, 3, 4], range(1, 2)
-    Copier("DRAM").run(plan_copies(src, direct, src_ids, dst_ids, 3, 14, heads))
+    Copier("DRAM").run(plan_regions(src, direct, src_ids, dst_ids, 3, 14, heads))
     probe, _ = slot_layout(0, dst, heads, 3, 14)
     area = StagingArea(slot_bytes(probe), "DRAM")
     slot = area.reserve(slot_bytes(probe))
     stage, ids = slot_layout(slot, dst, heads, 3, 14)
-    Copier("DRAM").run(plan_copies(src, stage, src_ids, ids, 3, 14, heads))
-    Copier("DRAM").run(plan_copies(stage, dst, ids, dst_ids, 3, 14, heads))
+    Copier("DRAM").run(plan_regions(src, stage, src_ids, ids, 3, 14, heads))
+    Copier("DRAM").run(plan_regions(stage, dst, ids, dst_ids, 3, 14, heads))
     for a, b in zip(direct_mem, staged_mem, strict=True):
         assert np.array_equal(a, b)
+    assert (direct_mem[0] != 0).any()  # something was copied at all
+
+
+@pytest.mark.parametrize("strides", [(64, 64, 64), (64, 96, 64)])
+def test_a_plan_factored_by_region_has_the_rows_of_the_whole_plan(strides):
+    """plan_regions builds one region's rows and the bases; expanded, they are exactly
+    plan_copies' rows (same order); with unequal strides it falls back to the whole plan."""
+
+    def layout(base, strides):
+        regions = tuple(RegionSpec(base + i * 10_000, st) for i, st in enumerate(strides))
+        return KVLayout(regions, 16, 4, 2, 8, True)
+
+    src, dst = layout(1 << 20, strides), layout(1 << 24, (64, 64, 64))
+    args = ([5, 1, 6, 2, 9], [0, 7, 3, 4, 8], 3, 18, range(0, 2))
+    factored, whole = plan_regions(src, dst, *args), plan_copies(src, dst, *args)
+    assert len(factored.src_bases) == (3 if len(set(strides)) == 1 else 1)
+    flat = factored.absolute()
+    for got, want in zip(
+        (flat.src_addrs, flat.dst_addrs, flat.num_bytes),
+        (whole.src_addrs, whole.dst_addrs, whole.num_bytes),
+        strict=True,
+    ):
+        assert np.array_equal(got, want)
+    assert factored.total_bytes == whole.total_bytes
 
 
 def test_scattered_blocks_go_as_one_write_and_land_byte_exact(staged_pair):
@@ -150,6 +174,18 @@ def test_a_push_that_finds_no_slot_free_goes_direct(sides, full):
     assert_idle(prefill, decode)
 
 
+def test_a_gather_that_fails_goes_direct_and_frees_its_slot(sides):
+    """Fault injected in prefill's child (the harness's "gather-fails"): its copies raise."""
+    port = free_port()
+    prefill = sides("prefill", prefill_config(port, **STAGED), fault="gather-fails")
+    decode = sides("decode", decode_config(**STAGED))
+    out = push(prefill, decode, PrefillAddress("127.0.0.1", port), [1, 5, 9], [7, 3, 11], 48)
+    assert out.num_descs == 3 * SPEC.num_regions
+    p, d = counters(prefill, decode)
+    assert (p["staging_errors"], p["staged"], d["staged"]) == (1, 0, 0)
+    assert_idle(prefill, decode)  # both slots free again
+
+
 def test_staging_on_one_side_only_goes_direct(sides):
     port = free_port()
     prefill = sides("prefill", prefill_config(port))  # DRAM default: no staging area
@@ -175,3 +211,31 @@ def test_a_cancelled_staged_registration_frees_its_slot(staged_pair):
     assert not out.ok and "cancelled" in out.reason, out
     assert all((r == 0xEE).all() for r in decode.call("regions")), "a cancelled block was written"
     assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("offset", [0, 3])  # 8-byte words, or bytes
+def test_the_batch_copy_kernel_in_tritons_interpreter(monkeypatch, offset):
+    """The staged path's kernel (kvpush.transfer.batchcopy), its own source, run on CPU
+    tensors by Triton's interpreter (TRITON_INTERPRET=1): addresses from region bases plus
+    rows, word sizes, masks, the rows x regions grid. Not its speed, nor CUDA streams:
+    test_gpu.py runs it on the GPU."""
+    import torch
+
+    from kvpush.transfer import batchcopy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = batchcopy._build()  # decorated now: the interpreter's kernel
+    src = torch.randint(0, 256, (3, 8192), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    rel_s = np.array([0, 1024, 3000, 5000]) + offset
+    rel_d, n = np.array([2048, 0, 3072, 6000]), np.array([512, 8, 96, 1600])
+    bases_s = [src[i].data_ptr() for i in range(3)]
+    bases_d = [dst[i].data_ptr() for i in range(3)]
+    packed, word = batchcopy.pack(rel_s, rel_d, n, bases_s, bases_d)
+    assert word == (8 if offset == 0 else 1)
+    batchcopy.launch(kernel, torch.from_numpy(packed), len(n), word, 512, 4)  # 2 steps a row
+    want = torch.zeros_like(src)
+    for r in range(3):
+        for s, d, k in zip(rel_s, rel_d, n, strict=True):
+            want[r, d : d + k] = src[r, s : s + k]
+    assert torch.equal(dst, want)  # every row in every region, and nothing else
