@@ -21,7 +21,7 @@ from kvpush.transfer import wire
 from kvpush.transfer.agent import Agent
 from kvpush.transfer.handshake import Link, SideChannel
 from kvpush.transfer.layout import KVLayout
-from kvpush.transfer.staging import Copier, StagingArea, resolve_staging_bytes
+from kvpush.transfer.staging import SLOT_ALIGN, Copier, StagingArea, resolve_staging_bytes
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,11 @@ class TransferConfig:
             raise ValueError(f"fast_poll_s must be in [0, {BUSY_POLL_MS} ms): {self.fast_poll_s}")
         if self.fast_window_s < 0:
             raise ValueError(f"fast_window_s must be >= 0, got {self.fast_window_s}")
-        if self.staging_bytes is not None and self.staging_bytes < 0:
-            raise ValueError(f"staging_bytes must be >= 0 or None, got {self.staging_bytes}")
+        if self.staging_bytes is not None and 0 != self.staging_bytes < SLOT_ALIGN:
+            raise ValueError(
+                f"staging_bytes must be 0 (off), None (default) or >= {SLOT_ALIGN}, "
+                f"got {self.staging_bytes}"
+            )
         if self.staging_min_descs < 1:
             raise ValueError(f"staging_min_descs must be >= 1, got {self.staging_min_descs}")
         if self.heartbeat_s * 2 > self.dead_after_s:
@@ -203,12 +206,27 @@ class Endpoint:
             self.channel.close()
 
     def _start_staging(self) -> None:
+        """The staging area, when configured. Without it (no memory for it, no Triton) the
+        endpoint still runs, every push direct: staging only ever saves time."""
         lay = self.layout
         size = resolve_staging_bytes(self.config.staging_bytes, lay.mem_type)
-        if size:
-            self.staging = StagingArea(size, lay.mem_type, lay.dev_id)
-            self.agent.register_area(self.staging.base_addr, size, lay.mem_type, lay.dev_id)
-            self.copier = Copier(lay.mem_type)
+        if not size:
+            return
+        try:
+            copier = Copier(lay.mem_type)
+            area = StagingArea(size, lay.mem_type, lay.dev_id)
+            self.agent.register_area(area.base_addr, size, lay.mem_type, lay.dev_id)
+        except Exception as e:
+            log.warning(
+                "kvpush %s: no staging area (%s: %s); scattered pushes will be slow, one NIXL "
+                "descriptor per block run (kv_connector_extra_config.staging_mib: 0 silences "
+                "this)",
+                self.role,
+                type(e).__name__,
+                e,
+            )
+            return
+        self.staging, self.copier = area, copier
 
     def _run_commands(self) -> None:
         done: list[tuple[_Command, Any]] = []

@@ -131,6 +131,14 @@ def _child(
             raise RuntimeError("injected: the copy kernel failed")
 
         Copier.run = broken  # type: ignore[method-assign]
+    if fault == "no-staging-memory":
+        # Fault injection: the staging area cannot be allocated, as on a full GPU.
+        from kvpush.transfer.staging import StagingArea
+
+        def no_memory(self: StagingArea, *args: Any) -> None:
+            raise MemoryError("injected: no memory for the staging area")
+
+        StagingArea.__init__ = no_memory  # type: ignore[method-assign]
 
     log_dir = os.environ.get("KVPUSH_CHILD_LOG_DIR")
     if log_dir:  # UCX and NIXL print from C: keep their lines per process

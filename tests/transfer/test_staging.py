@@ -186,6 +186,23 @@ def test_a_gather_that_fails_goes_direct_and_frees_its_slot(sides):
     assert_idle(prefill, decode)  # both slots free again
 
 
+def test_an_endpoint_without_memory_for_staging_runs_every_push_direct(sides):
+    """Fault injected in decode's child (the harness's "no-staging-memory")."""
+    port = free_port()
+    prefill = sides("prefill", prefill_config(port, **STAGED))
+    decode = sides("decode", decode_config(**STAGED), fault="no-staging-memory")
+    out = push(prefill, decode, PrefillAddress("127.0.0.1", port), [1, 5], [7, 3], 32)
+    assert out.num_descs == 2 * SPEC.num_regions
+    assert counters(prefill)[0]["staged"] == 0
+    assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("size", [-1, 1, SLOT_ALIGN - 1])
+def test_a_staging_area_smaller_than_a_slot_is_refused(size):
+    with pytest.raises(ValueError, match="staging_bytes must be 0"):
+        decode_config(staging_bytes=size)
+
+
 def test_staging_on_one_side_only_goes_direct(sides):
     port = free_port()
     prefill = sides("prefill", prefill_config(port))  # DRAM default: no staging area

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpush.launch.engine import FIRST_TOKEN_PROCESSOR
+from kvpush.transfer.staging import resolve_staging_bytes
 from kvpush.vllm.config import ConnectorConfig, resolve_early_source
 from kvpush.vllm.firsttoken import FQCN, FirstTokenProcessor
 
@@ -71,6 +72,18 @@ def test_fast_poll_defaults_turns_off_with_0_and_refuses_the_busy_step_or_more()
     assert ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0})).fast_poll_s == 0
     with pytest.raises(ValueError, match="extra_config.fast_poll_s: expected `float` < 0.001"):
         ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0.001}))
+
+
+def test_staging_defaults_to_the_memory_kind_and_refuses_negative_sizes():
+    cfg = ConnectorConfig.from_vllm(vllm_config())
+    assert (cfg.staging_mib, cfg.staging_min_descs) == (None, 512)  # None: 1 GiB on VRAM only
+    assert resolve_staging_bytes(None, "VRAM") == 1 << 30
+    assert resolve_staging_bytes(None, "DRAM") == 0
+    assert ConnectorConfig.from_vllm(vllm_config(extra={"staging_mib": 0})).staging_mib == 0
+    with pytest.raises(ValueError, match="extra_config.staging_mib: expected `int` >= 0"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"staging_mib": -1}))
+    with pytest.raises(ValueError, match="extra_config.staging_min_descs: expected `int` >= 1"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"staging_min_descs": 0}))
 
 
 def test_early_source_is_auto_by_default_on_with_more_than_one_cpu():
