@@ -82,10 +82,13 @@ def as_pair(prefill: Engine, decode: Engine) -> Pair:
 def engines(tiny_model):
     """mono + the main pair, started together (about a minute on two cores). The main pair
     starts each push from the scheduler's SOURCE (early_source, which "auto" turns off on
-    these one-core engines), so the tests that share it run that path; the other pairs run
-    the default, the worker's push() alone."""
+    these one-core engines) and stages every push (gather, one WRITE, scatter: the path for
+    scattered blocks on VRAM, off by default on DRAM), so the tests that share it run those
+    paths; the other pairs run the defaults: the worker's push() alone, direct WRITEs."""
     model = str(tiny_model)
-    prefill, decode = pair_specs(model, 32, 64, early_source=True)
+    prefill, decode = pair_specs(
+        model, 32, 64, early_source=True, staging_mib=16, staging_min_descs=1
+    )
     mono = EngineSpec("mono", model, free_port(), engine_id="mono", block_size=64)
     started = start(mono, prefill, decode)
     yield dict(zip(("mono", "prefill", "decode"), started, strict=True))

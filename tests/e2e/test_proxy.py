@@ -118,7 +118,7 @@ def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_
     # and each engine's connector recorded its own phases of the same request
     want = {
         "prefill": {"handover", "next_step", "pair_and_post", "write", "release"},
-        "decode": {"register", "wait_writes", "report"},
+        "decode": {"register", "wait_writes", "scatter", "report"},  # this pair stages
     }
     # decode's "land" starts at prefill's POSTED, which the WRITE's notification may overtake:
     # then the transfer has ended when POSTED comes, and land is not recorded; prefill's
