@@ -181,6 +181,10 @@ def _child(
                 held_s = time.perf_counter() - start
                 futures[id(future)] = future
                 result = (id(future), held_s)
+            elif method == "stall":  # hold the loop thread, as a busy one would be
+                stalled = endpoint._call(time.sleep, args[0])
+                futures[id(stalled)] = stalled
+                result = id(stalled)
             elif method == "reset":
                 memory.reset()
                 result = None

@@ -271,14 +271,17 @@ class DecodeEndpoint(Endpoint):
                     continue
                 if written.first_token >= 0:
                     exp.first_token = written.first_token
+                if written.staged_end and exp.cancel is not None:
+                    # given up: the blocks are only quarantined, so nothing is scattered into
+                    # them, and there is nothing to check
+                    self._complete(written.key, address, None)
+                    continue
                 failure = self._scatter(exp, written) if written.staged_end else None
                 self._complete(written.key, address, failure or self._verify(exp, written))
 
     def _scatter(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
         """A staged WRITE landed in this registration's slot: copy it into the blocks, and
         return only once that copy is complete (None), so that vLLM reads whole KV."""
-        if exp.cancel is not None:  # given up: the blocks are only quarantined now
-            return None
         exp.marks.setdefault("landed", time.monotonic())
         reg = exp.registrations[written.prefill_rank]
         try:

@@ -148,6 +148,30 @@ def test_staged_push_gathers_heads_from_tp2_to_tp1(sides):
     assert_idle(*started)
 
 
+def test_a_staged_write_that_lands_after_the_cancel_is_neither_scattered_nor_checked(sides):
+    """Decode's loop is held (the harness's "stall") while it is told to cancel and prefill
+    writes: it then sees the cancel before the WRITE's notification."""
+    port = free_port()
+    checked = STAGED | {"debug_checksum": True}
+    prefill = sides("prefill", prefill_config(port, **checked))
+    decode = sides("decode", decode_config(**checked))
+    decode.call("reset")
+    key = new_key()
+    fd = decode.call("expect", key, PrefillAddress("127.0.0.1", port), [1, 9, 4], 48)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "the registration")
+    stall = decode.call("stall", 1.0)
+    cancel = decode.call("cancel", key)  # queued behind the stall
+    pushed = prefill.call("push", key, [2, 3, 6], 48)
+    decode.wait(stall)
+    assert decode.wait(cancel, timeout_s=5).ok and not decode.wait(fd).ok
+    prefill.wait(pushed)
+    assert counters(prefill)[0]["staged"] == 1  # it was written, into decode's slot
+    got = counters(decode)[0]
+    assert (got["staged"], got["checksum_mismatches"], got["checksums_ok"]) == (0, 0, 0)
+    assert all((r == 0xEE).all() for r in decode.call("regions")), "a cancelled block was written"
+    assert_idle(prefill, decode)
+
+
 def test_few_descriptors_go_direct(sides):
     port = free_port()
     more = STAGED | {"staging_min_descs": 1000}
