@@ -19,7 +19,7 @@ from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.handshake import Link
 from kvpush.transfer.layout import digest, plan_regions, rank_heads, writer_heads
-from kvpush.transfer.staging import slot_bytes, slot_layout
+from kvpush.transfer.staging import slot_layout, slot_size
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class DecodeEndpoint(Endpoint):
         then writes the blocks directly)."""
         if self.staging is None or num_cached >= num_tokens:
             return 0, 0
-        size = slot_bytes(slot_layout(0, self.layout, heads, num_cached, num_tokens)[0])
+        size = slot_size(self.layout, heads, num_cached, num_tokens)
         addr = self.staging.reserve(size)
         if addr is None:
             self.counters["staging_full"] += 1

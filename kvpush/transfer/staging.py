@@ -78,6 +78,11 @@ def slot_bytes(layout: KVLayout) -> int:
     return len(layout.regions) * layout.num_blocks * layout.block_bytes
 
 
+def slot_size(like: KVLayout, heads: range, start: int, num_tokens: int) -> int:
+    """How many bytes `slot_layout` of these arguments spans, wherever it is placed."""
+    return slot_bytes(slot_layout(0, like, heads, start, num_tokens)[0])
+
+
 class StagingArea:
     """One buffer (VRAM on `dev_id`, or DRAM), carved into slots first-fit. The endpoint's
     loop thread alone uses it; the endpoint registers it with NIXL."""
@@ -133,7 +138,6 @@ class Copier:
     waiting thread sleeps), on VRAM; memmove per row on DRAM."""
 
     def __init__(self, mem_type: str) -> None:
-        self.mem_type = mem_type
         self._stream: Any = None
         if mem_type == "VRAM":
             import torch

@@ -19,7 +19,7 @@ from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.layout import KVLayout, digest, padded_end, plan_copies, plan_regions
 from kvpush.transfer.matcher import Action, Matcher, Release, Reply, Source, Write
-from kvpush.transfer.staging import slot_bytes, slot_layout
+from kvpush.transfer.staging import slot_layout, slot_size
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,13 @@ class _InFlight:
 
 
 @dataclass(frozen=True)
-class _Slot:
-    addr: int
+class _Staged:
+    """A WRITE gathered into a slot of prefill's staging area."""
+
+    addr: int  # the slot
     size: int
+    plan: Any  # the gather (layout.RegionPlan)
+    end: int  # the token it stages up to (WrittenMsg.staged_end)
 
 
 def _block_runs(block_ids: list[int], block_size: int, start: int, end: int) -> int:
@@ -247,10 +251,10 @@ class PrefillEndpoint(Endpoint):
                 src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
                 num_descs, staged_end = plan.num_descs, 0
             else:  # the gathered slot, one descriptor, into decode's slot
-                slot, plan, staged_end = staged
-                size = slot.size
-                src = np.array([[slot.addr, size, self.layout.dev_id]], dtype=np.uint64)
-                dst = np.array([[reg.staging_addr, size, peer.layout.dev_id]], dtype=np.uint64)
+                plan, staged_end = staged.plan, staged.end
+                src = np.array([[staged.addr, staged.size, self.layout.dev_id]], dtype=np.uint64)
+                far = [[reg.staging_addr, staged.size, peer.layout.dev_id]]
+                dst = np.array(far, dtype=np.uint64)
                 num_descs = 1
             if w.key in self._marks:
                 self._marks[w.key].setdefault("planned", time.monotonic())
@@ -274,7 +278,7 @@ class PrefillEndpoint(Endpoint):
             )
         except Exception as e:
             if staged is not None:
-                self._unstage(staged[0].addr)
+                self._unstage(staged.addr)
             failure = wire.Failure("write", f"WRITE not posted: {e}")
             self._apply(self._matcher.write_done(w.key, w.peer, failure))
             return
@@ -282,7 +286,7 @@ class PrefillEndpoint(Endpoint):
         stats[0] += plan.total_bytes
         stats[1] += num_descs
         now = time.monotonic()
-        slot_addr = None if staged is None else staged[0].addr
+        slot_addr = None if staged is None else staged.addr
         self._in_flight[(w.key, w.peer)] = _InFlight(
             handle, now, plan.total_bytes, num_descs, slot_addr
         )
@@ -294,11 +298,11 @@ class PrefillEndpoint(Endpoint):
         if state == "ERR":
             self._finish_write(w.key, w.peer, "ERR")
 
-    def _stage(self, w: Write, peer: _DecodePeer, heads: range) -> tuple[_Slot, Any, int] | None:
+    def _stage(self, w: Write, peer: _DecodePeer, heads: range) -> _Staged | None:
         """Gather the push into a slot of this rank's staging area (staging.py) when decode
         offered a slot and the direct plan would post at least staging_min_descs
-        descriptors: (the slot, the gather plan, the token it stages up to). None: go direct
-        (no staging here or there, few descriptors, no slot free, or the gather failed)."""
+        descriptors, and return it gathered. None: go direct (no staging here or there, few
+        descriptors, no slot free, or the gather failed)."""
         reg = w.reg
         if not reg.staging_addr or self.staging is None or self.copier is None:
             return None
@@ -309,7 +313,7 @@ class PrefillEndpoint(Endpoint):
         )
         if runs * len(self.layout.regions) < self.config.staging_min_descs:
             return None
-        size = slot_bytes(slot_layout(0, peer.layout, heads, start, reg.num_tokens)[0])
+        size = slot_size(peer.layout, heads, start, reg.num_tokens)
         if size > reg.staging_bytes:
             raise ValueError(f"decode's staging slot holds {reg.staging_bytes} B, need {size}")
         addr = self.staging.reserve(size)
@@ -328,7 +332,7 @@ class PrefillEndpoint(Endpoint):
         self.counters["staged"] += 1
         if w.key in self._marks:
             self._marks[w.key].setdefault("gathered", time.monotonic())
-        return _Slot(addr, size), gather, end
+        return _Staged(addr, size, gather, end)
 
     def _unstage(self, addr: int | None) -> None:
         if addr is not None and self.staging is not None:
