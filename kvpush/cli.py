@@ -88,6 +88,7 @@ def _up(args: argparse.Namespace) -> int:
         args.port,
         args.detach,
         pin_cores=args.pin_cores,
+        first_token=args.first_token,
     )
 
 
@@ -237,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode engines (ports 8200...)")
     up.add_argument("--port", type=int, default=8000, help="the proxy's port")
     up.add_argument("--detach", action="store_true", help="return once ready; `kvpush down`")
+    up.add_argument(
+        "--no-first-token",
+        dest="first_token",
+        action="store_false",
+        help="kvpush: the client's first token from decode's stream, not prefill's answer",
+    )
     pin_flag(up)
     up.set_defaults(func=_up)
 

@@ -166,6 +166,8 @@ class EngineSpec:
             "tp_size": self.tp_size,
             "pp_size": 1,
             "served_model_name": self.served_model_name,
+            # `command` loads FirstTokenProcessor on kvpush decode engines
+            "forces_first_token": self.connector == "kvpush" and self.role == "decode",
         }
 
     def env_summary(self) -> str:

@@ -94,9 +94,10 @@ class Stack:
         proxy_port: int,
         log_dir: Path,
         with_proxy: bool = True,
+        proxy_args: tuple[str, ...] = (),
     ) -> None:
         self.specs, self.connector, self.proxy_port = specs, connector, proxy_port
-        self.log_dir, self.with_proxy = log_dir, with_proxy
+        self.log_dir, self.with_proxy, self.proxy_args = log_dir, with_proxy, proxy_args
         self.engines: list[Engine] = []
         self.proxy: subprocess.Popen | None = None
 
@@ -136,7 +137,9 @@ class Stack:
             d = spec.describe()
             opts = f"{d['url']},engine_id={d['engine_id']},kv_host={d['kv_host']}"
             opts += f",side_channel_port={d['side_channel_port']},tp_size={d['tp_size']}"
+            opts += f",forces_first_token={str(d['forces_first_token']).lower()}"
             cmd += [f"--{spec.role}", opts]
+        cmd += self.proxy_args
         log = open(self.log_dir / "proxy.log", "ab")  # noqa: SIM115 - child keeps it
         self.proxy = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -165,6 +168,7 @@ def up(
     proxy_port: int,
     detach: bool,
     pin_cores: bool = True,
+    first_token: bool = True,
 ) -> int:
     from kvpush.launch import tinymodel
 
@@ -181,7 +185,8 @@ def up(
         f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",
         flush=True,
     )
-    stack = Stack(specs, connector, proxy_port, log_dir)
+    proxy_args = () if first_token else ("--no-first-token",)
+    stack = Stack(specs, connector, proxy_port, log_dir, proxy_args=proxy_args)
     stack.start()
     print(
         f"kvpush ready: {stack.url}  try:\n  curl {stack.url}/v1/completions -H "

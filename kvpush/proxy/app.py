@@ -85,6 +85,7 @@ def create_app(config: ProxyConfig) -> web.Application:
                 "mode": config.mode,
                 "connector": config.connector,
                 "policy": config.policy,
+                "first_token": config.first_token and config.connector == "kvpush",
                 "engines": [pool.describe(s) for s in pool.states],
             }
         )

@@ -47,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="outstanding prompt tokens per decode engine before 503",
     )
     p.add_argument("--request-timeout-s", type=float, default=None)
+    p.add_argument(
+        "--no-first-token",
+        dest="first_token",
+        action="store_const",
+        const=False,
+        default=None,
+        help="kvpush: the client's first token comes from decode's stream, not prefill's "
+        "answer (default: from prefill, where the decode engine declares forces_first_token)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
@@ -61,8 +70,18 @@ def parse_engine(spec: str, role: str) -> EngineInfo:
                 f"bad engine option {pair!r} in {spec!r}; known: "
                 f"{sorted(EngineInfo.__dataclass_fields__)}"
             )
-        fields[key] = int(value) if key in ("side_channel_port", "tp_size", "pp_size") else value
+        fields[key] = parse_value(key, value)
     return EngineInfo(**fields)
+
+
+def parse_value(key: str, value: str) -> str | int | bool:
+    if key in ("side_channel_port", "tp_size", "pp_size"):
+        return int(value)
+    if key == "forces_first_token":
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"forces_first_token must be true or false, got {value!r}")
+        return value.lower() == "true"
+    return value
 
 
 def build_config(args: argparse.Namespace) -> ProxyConfig:
@@ -71,7 +90,8 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     engines += load_engines(args.engine_file)
     engines += [parse_engine(s, "prefill") for s in args.prefill]
     engines += [parse_engine(s, "decode") for s in args.decode]
-    for name in ("connector", "policy", "max_decode_prompt_tokens", "request_timeout_s"):
+    names = ("connector", "policy", "max_decode_prompt_tokens", "request_timeout_s", "first_token")
+    for name in names:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     return ProxyConfig(engines=tuple(engines), **settings)

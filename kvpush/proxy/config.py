@@ -27,6 +27,9 @@ class EngineInfo:
     pp_size: int = 1
     connector: str = ""  # what the engine runs, if its description says; must match the proxy's
     served_model_name: str = ""  # informational; the proxy reads /v1/models
+    # decode: the engine forces the first token to prefill's (kvpush's FirstTokenProcessor,
+    # which `kvpush serve` loads and declares), so the client may get prefill's token first
+    forces_first_token: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -35,6 +38,11 @@ class EngineInfo:
             )
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://, got {self.url!r}")
+        if not isinstance(self.forces_first_token, bool):
+            raise ValueError(
+                f"engine {self.url}: forces_first_token must be true or false, "
+                f"got {self.forces_first_token!r}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
@@ -52,6 +60,9 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
     api_key: str | None = None  # forwarded to engines when the client sends none
+    # kvpush, streamed: the client's first token is prefill's, sent as soon as prefill answers,
+    # where the decode engine declares `forces_first_token`; False: always decode's
+    first_token: bool = True
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:

@@ -181,8 +181,19 @@ class Dispatcher:
 
         return await self._from_decode(
             decode, body | {"kv_transfer_params": d_params}, chat, headers, trace, tokens,
-            p_task, abandon, early=self.config.connector == "kvpush" and bool(body.get("stream")),
+            p_task, abandon, early=self.first_token_early(decode, body),
         )  # fmt: skip
+
+    def first_token_early(self, decode: EngineState, body: dict) -> bool:
+        """Whether the client gets prefill's token first: kvpush, streamed, not turned off,
+        and a decode engine that declares it forces its first token to prefill's."""
+        c = self.config
+        return (
+            c.connector == "kvpush"
+            and c.first_token
+            and decode.info.forces_first_token
+            and bool(body.get("stream"))
+        )
 
     async def _pull(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
         tokens = estimate_prompt_tokens(body, chat)

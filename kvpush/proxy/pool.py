@@ -160,6 +160,7 @@ class EnginePool:
             "url": s.info.url,
             "role": s.info.role,
             "engine_id": s.info.engine_id,
+            "forces_first_token": s.info.forces_first_token,
             "healthy": s.healthy,
             "error": s.error,
             "served_models": s.served_models,

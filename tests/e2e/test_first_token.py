@@ -31,7 +31,7 @@ def proxy(engines):
     p, d = engines["prefill"].spec, engines["decode"].spec
     infos = (
         EngineInfo(p.url, "prefill", p.name, "127.0.0.1", p.side_channel_port),
-        EngineInfo(d.url, "decode", d.name),
+        EngineInfo(d.url, "decode", d.name, forces_first_token=True),
     )
     with run_server(create_app(ProxyConfig(engines=infos))) as url:
         yield url

@@ -69,6 +69,9 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
         assert first_line.startswith("kvpush serve: VLLM_CPU_KVCACHE_SPACE=1")
         assert "--block-size 32" in first_line and "VLLM_CPU_OMP_THREADS_BIND=0" in first_line
         assert json.loads((tmp_path / "prefill.json").read_text())["side_channel_port"] == side
+        # only kvpush decode engines force the first token, so only they may get it early
+        decode_desc = json.loads((tmp_path / "decode.json").read_text())
+        assert decode_desc["forces_first_token"] == (connector == "kvpush")
         proxy_port = free_proxy_port()
         proxy = subprocess.Popen(
             KVPUSH

@@ -66,7 +66,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
     infos = (
         EngineInfo(pair.prefill_url, "prefill", pair.prefill_engine_id, "127.0.0.1",
                    pair.side_channel_port),
-        EngineInfo(pair.decode_url, "decode", "decode"),
+        EngineInfo(pair.decode_url, "decode", "decode", forces_first_token=True),
     )  # fmt: skip
     engine_ports = {urlsplit(u).port for u in (pair.prefill_url, pair.decode_url)}
 

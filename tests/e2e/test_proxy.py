@@ -44,7 +44,7 @@ def proxy_url(engines):
     infos = [
         EngineInfo(e.spec.url, "prefill", e.spec.name, "127.0.0.1", e.spec.side_channel_port)
         for e in (engines["prefill"], second)
-    ] + [EngineInfo(engines["decode"].spec.url, "decode", engines["decode"].spec.name)]
+    ] + [EngineInfo.from_dict(engines["decode"].spec.describe())]
     with run_server(create_app(ProxyConfig(engines=tuple(infos)))) as url:
         yield url, [engines["prefill"].spec.url, second.spec.url], engines["decode"].spec.url
     second.stop()

@@ -40,7 +40,7 @@ def trio(tiny_model):
 
 def info(engine) -> EngineInfo:
     s = engine.spec
-    return EngineInfo(s.url, s.role, s.name, "127.0.0.1", s.side_channel_port)
+    return EngineInfo.from_dict(s.describe())
 
 
 def prompts(seed: int) -> list[list[int]]:

@@ -80,10 +80,10 @@ class FakeAbandoner:
         self.abandoned.append(transfer_id)
 
 
-def make(num_prefill: int = 2, connector: str = "nixl-push"):
+def make(num_prefill: int = 2, connector: str = "nixl-push", forces_first_token=True, **settings):
     engines = tuple(EngineInfo(f"http://p{i}", "prefill", f"p{i}") for i in range(num_prefill))
-    engines += (EngineInfo("http://d0", "decode", "d0"),)
-    config = ProxyConfig(engines=engines, connector=connector)
+    engines += (EngineInfo("http://d0", "decode", "d0", forces_first_token=forces_first_token),)
+    config = ProxyConfig(engines=engines, connector=connector, **settings)
     pool, legs, abandoner = EnginePool(config), FakeLegs(), FakeAbandoner()
     return Dispatcher(config, pool, legs, ProxyMetrics(), abandoner), pool, legs, abandoner
 
@@ -371,6 +371,37 @@ def test_kvpush_decode_failure_after_prefills_token_ends_the_stream_with_an_erro
         assert text.startswith(answer.first) and b'"UpstreamError"' in text  # never silent
         assert text.endswith(b"data: [DONE]\n\n")
         assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "why",
+    [{"forces_first_token": False}, {"first_token": False}, {"connector": "nixl-push"}],
+    ids=["decode-does-not-declare", "turned-off", "vllm-connector"],
+)
+def test_without_the_capability_or_when_turned_off_the_first_token_is_decodes(why):
+    """Prefill's token goes first only to kvpush decode engines that declare they force it,
+    and not with `first_token` off: otherwise the answer waits for decode's first chunk."""
+
+    async def go():
+        dispatcher, pool, legs, abandoner = make(**({"connector": "kvpush"} | why))
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefills and legs.decodes)
+        legs.prefills[0].set_result(PREFILL_ANSWER % b"length")
+        await asyncio.sleep(0.01)
+        assert not task.done()  # prefill's answer is not sent to the client
+        legs.decodes[0].answer(decode_chunk("A"), decode_chunk("B"), b"data: [DONE]\n\n")
+        answer = await task
+        assert answer.skip is None and answer.first == decode_chunk("A")
+        out: list[bytes] = []
+
+        async def write(b: bytes) -> None:
+            out.append(b)
+
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        assert b"".join(out).count(b'"text":"A"') == 1
         await until(lambda: idle(pool))
 
     asyncio.run(go())
