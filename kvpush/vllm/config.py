@@ -14,6 +14,7 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
 DEFAULT_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
 DEFAULT_FAST_POLL_S = 0.0001  # see ConnectorConfig.fast_poll_s
+DEFAULT_IDLE_WAIT_S = 0.002  # see ConnectorConfig.idle_wait_s
 
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -33,6 +34,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
     early_source: bool | Literal["auto"] = "auto"
+    idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = DEFAULT_IDLE_WAIT_S
     staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
     staging_min_descs: Annotated[int, msgspec.Meta(ge=1)] = 512
     debug_faults: bool = False
@@ -61,6 +63,12 @@ class ConnectorConfig:
     # "auto" (ExtraConfig): on unless the engine may run on one CPU only, where the push's
     # work then delays the API server's answer (docs/benchmarks.md, "Early SOURCE")
     early_source: bool = True
+    # a step that schedules no tokens, while this worker has a transfer in flight: the
+    # worker waits (in wait_for_save) until one completes, at most this long, instead of
+    # returning at once to an engine loop that would step again at once; 0: no wait.
+    # A request that arrives meanwhile waits at most this long (docs/architecture.md,
+    # "Idle steps")
+    idle_wait_s: float = DEFAULT_IDLE_WAIT_S
     # staging area per worker for scattered pushes (kvpush.transfer.staging), in MiB: None
     # is 1024 where the KV cache is in VRAM (outside vLLM's gpu_memory_utilization budget)
     # and none on DRAM; 0 turns staging off. A push is staged when its copy plan would post

@@ -55,7 +55,17 @@ class KVPushConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        """Pushes are written by the endpoint's thread, not saved layer by layer: nothing to
+        wait for, except on a step with no tokens (PushWorker.wait_idle)."""
+        assert self._worker is not None
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, PushMetadata) and meta.idle:
+            try:
+                self._worker.wait_idle()
+            except Exception:
+                log.exception("kvpush: waiting on an idle step failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         results = self.get_transfer_results(finished_req_ids)

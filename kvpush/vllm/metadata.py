@@ -66,3 +66,4 @@ Action = Push | Abort | Expect | Cancel | Refuse
 @dataclass
 class PushMetadata(KVConnectorMetadata):
     actions: list[Action] = field(default_factory=list)
+    idle: bool = False  # the step schedules no tokens: the workers may wait for transfers

@@ -102,7 +102,8 @@ class PushScheduler:
 
     # -- both -----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> m.PushMetadata:
-        meta = m.PushMetadata(self._actions)
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        meta = m.PushMetadata(self._actions, idle)
         self._actions = []
         return meta
 

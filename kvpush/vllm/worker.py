@@ -10,7 +10,7 @@ import contextlib
 import logging
 import sys
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from kvpush.transfer import wire
@@ -166,6 +166,15 @@ class PushWorker:
         elif isinstance(a, m.Refuse):
             self._refused.add(a.req_id)
             self._stats.record(False, 0, 0, 0.0, cause=a.failure.cause)
+
+    def wait_idle(self) -> None:
+        """On a step that schedules no tokens: wait until a transfer in flight completes, at
+        most `idle_wait_s`. Only local futures are waited on (the endpoint's thread does the
+        network), and the GIL is free meanwhile, so that thread runs at once. Without it,
+        vLLM steps again at once, and on a shared core each empty step's work delays the
+        transfer and the API server's answer."""
+        if self.config.idle_wait_s > 0 and self._futures:
+            wait(list(self._futures.values()), self.config.idle_wait_s, FIRST_COMPLETED)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
