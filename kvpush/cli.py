@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument(
         "--vllm-arg", action="append", default=[], help="an argument for every engine started"
     )
+    bserve.add_argument(
+        "--connector-extra", default="{}", help="JSON merged into kvpush's extra config"
+    )
     pin_flag(bserve)
     bserve.set_defaults(func=_bench_serve)
 

@@ -133,14 +133,19 @@ async def proxy_phases(url: str, num_requests: int) -> dict | None:
     return out
 
 
-def mode_stack(mode: str, model: str, log_dir: Path, **engine_kw: object) -> object:
-    """1 prefill + 1 decode behind the proxy, or one plain engine for `mono`."""
+def mode_stack(
+    mode: str, model: str, log_dir: Path, connector_extra: dict | None = None, **engine_kw: object
+) -> object:
+    """1 prefill + 1 decode behind the proxy, or one plain engine for `mono`;
+    `connector_extra` goes into kvpush's kv_connector_extra_config."""
     from kvpush.launch.engine import EngineSpec
     from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
 
     if mode == "mono":
         spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
         return Stack([spec], mode, PROXY_PORT, log_dir, with_proxy=False)
+    if mode == "kvpush" and connector_extra:
+        engine_kw = engine_kw | {"connector_extra": connector_extra}
     return Stack(stack_specs(model, mode, 1, 1, **engine_kw), mode, PROXY_PORT, log_dir)
 
 
@@ -169,6 +174,16 @@ def main(args: object) -> int:
         )
         if args.num_prompts < 1 or args.iterations < 1:
             raise ValueError("--num-prompts and --iterations must be >= 1")
+        try:
+            connector_extra = json.loads(args.connector_extra)
+        except ValueError as e:
+            raise ValueError(
+                f"--connector-extra is not JSON ({e}): {args.connector_extra!r}"
+            ) from None
+        if not isinstance(connector_extra, dict):
+            raise ValueError(
+                f"--connector-extra must be a JSON object, got {args.connector_extra!r}"
+            )
     except ValueError as e:
         print(f"kvpush bench serve: {e}", file=sys.stderr)
         return 2
@@ -195,10 +210,12 @@ def main(args: object) -> int:
     engine_kw = {"extra_args": tuple(args.vllm_arg), "pin_cores": args.pin_cores}
     for mode in modes:
         print(f"kvpush bench serve: bringing up {mode} {engine_kw}", flush=True)
-        stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", **engine_kw)
+        stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", connector_extra, **engine_kw)
         stack.start()
         try:
             engines = engine_kw | {"extra_args": list(args.vllm_arg)}
+            if mode == "kvpush":
+                engines["connector_extra"] = connector_extra
             tokenizer = args.tokenizer or model
             sweep(mode, stack.url, results_dir=results_dir, tokenizer=tokenizer, engines=engines,
                   **grid)  # fmt: skip
