@@ -133,12 +133,10 @@ class Stack:
             "--port",
             str(self.proxy_port),
         ]
-        for spec in self.specs:
-            d = spec.describe()
-            opts = f"{d['url']},engine_id={d['engine_id']},kv_host={d['kv_host']}"
-            opts += f",side_channel_port={d['side_channel_port']},tp_size={d['tp_size']}"
-            opts += f",forces_first_token={str(d['forces_first_token']).lower()}"
-            cmd += [f"--{spec.role}", opts]
+        for spec in self.specs:  # the description files `kvpush serve --describe-to` writes
+            path = self.log_dir / f"{spec.name}.json"
+            path.write_text(json.dumps(spec.describe()))
+            cmd += ["--engine-file", str(path)]
         cmd += self.proxy_args
         log = open(self.log_dir / "proxy.log", "ab")  # noqa: SIM115 - child keeps it
         self.proxy = subprocess.Popen(

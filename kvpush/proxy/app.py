@@ -85,7 +85,7 @@ def create_app(config: ProxyConfig) -> web.Application:
                 "mode": config.mode,
                 "connector": config.connector,
                 "policy": config.policy,
-                "first_token": config.first_token and config.connector == "kvpush",
+                "first_token": config.early_first_token,
                 "engines": [pool.describe(s) for s in pool.states],
             }
         )

@@ -87,6 +87,12 @@ class ProxyConfig:
     def mode(self) -> str:
         return CONNECTORS[self.connector]
 
+    @property
+    def early_first_token(self) -> bool:
+        """kvpush with `first_token` on: prefill's token first, to decode engines that
+        declare `forces_first_token` (streamed requests only)."""
+        return self.connector == "kvpush" and self.first_token
+
     def of_role(self, role: str) -> list[EngineInfo]:
         return [e for e in self.engines if e.role == role]
 

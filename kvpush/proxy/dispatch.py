@@ -187,10 +187,8 @@ class Dispatcher:
     def first_token_early(self, decode: EngineState, body: dict) -> bool:
         """Whether the client gets prefill's token first: kvpush, streamed, not turned off,
         and a decode engine that declares it forces its first token to prefill's."""
-        c = self.config
         return (
-            c.connector == "kvpush"
-            and c.first_token
+            self.config.early_first_token
             and decode.info.forces_first_token
             and bool(body.get("stream"))
         )
