@@ -264,6 +264,21 @@ def plan_copies(
     if pad_tail:
         end_token = padded_end(src, dst, end_token)
 
+    num_regions = len(src.regions)
+    stride_s = np.array([r.block_stride_bytes for r in src.regions], dtype=np.int64)
+    stride_d = np.array([r.block_stride_bytes for r in dst.regions], dtype=np.int64)
+    if _whole_blocks(src, dst, heads, start_token, end_token, stride_s, stride_d):
+        # Fast path (equal layouts, every head, whole blocks; the usual push): one row per
+        # block, merged into runs before the regions multiply them.
+        bs = src.block_size
+        b0, b1 = start_token // bs, end_token // bs
+        rows = _merge_runs(
+            src_ids[b0:b1] * stride_s[0],
+            dst_ids[b0:b1] * stride_d[0],
+            np.full(b1 - b0, src.block_bytes, dtype=np.int64),
+        )
+        return _every_region(src, dst, *rows)
+
     # Token pieces that sit inside one source block and one destination block.
     cuts = [np.array([start_token, end_token], dtype=np.int64)]
     for bs in (src.block_size, dst.block_size):
@@ -310,19 +325,12 @@ def plan_copies(
     # Every region at once: (regions, rows, columns), flattened region by region. Regions
     # differ only in their base address, so where every region has the same block stride and
     # a row has one column, consecutive rows are merged once, before the regions multiply them.
-    num_regions = len(src.regions)
-    stride_s = np.array([r.block_stride_bytes for r in src.regions], dtype=np.int64)
-    stride_d = np.array([r.block_stride_bytes for r in dst.regions], dtype=np.int64)
     blk_s, blk_d = src_blk[row_piece], dst_blk[row_piece]
-    if nn.shape[1] == 1 and (stride_s == stride_s[0]).all() and (stride_d == stride_d[0]).all():
+    if nn.shape[1] == 1 and _one_stride(stride_s, stride_d):
         rel_s = blk_s * stride_s[0] + off_s[:, 0]
         rel_d = blk_d * stride_d[0] + off_d[:, 0]
-        rel_s, rel_d, n1 = _merge_runs(rel_s, rel_d, nn[:, 0])
-        rel_s, rel_d, nn = rel_s[:, None], rel_d[:, None], n1[:, None]
-        stride_s, stride_d = np.zeros_like(stride_s), np.zeros_like(stride_d)
-        blk_s = blk_d = np.zeros(len(rel_s), dtype=np.int64)
-    else:
-        rel_s, rel_d = off_s, off_d
+        return _every_region(src, dst, *_merge_runs(rel_s, rel_d, nn[:, 0]))
+    rel_s, rel_d = off_s, off_d
 
     def addresses(layout: KVLayout, stride: np.ndarray, blocks: np.ndarray, rel: np.ndarray):
         base = np.array([r.base_addr for r in layout.regions], dtype=np.int64)
@@ -334,6 +342,45 @@ def plan_copies(
     n = np.broadcast_to(nn[None], (num_regions, *nn.shape)).reshape(-1)
     reg = np.repeat(np.arange(num_regions), nn.size)
     return CopyPlan(*_merge_runs(s, d, n, reg))
+
+
+def _one_stride(stride_s: np.ndarray, stride_d: np.ndarray) -> bool:
+    """Whether every region of each side has the same block stride (vLLM's layers do)."""
+    return bool((stride_s == stride_s[0]).all() and (stride_d == stride_d[0]).all())
+
+
+def _whole_blocks(
+    src: KVLayout,
+    dst: KVLayout,
+    heads: range,
+    start: int,
+    end: int,
+    stride_s: np.ndarray,
+    stride_d: np.ndarray,
+) -> bool:
+    """Whether tokens [start, end) of `heads` are whole blocks that both sides store alike:
+    each block then copies as one byte range into one block."""
+    bs = src.block_size
+    return (
+        bs == dst.block_size
+        and start % bs == 0
+        and end % bs == 0
+        and heads == range(src.first_head, src.first_head + src.num_heads)
+        and heads == range(dst.first_head, dst.first_head + dst.num_heads)
+        and _one_stride(stride_s, stride_d)
+    )
+
+
+def _every_region(
+    src: KVLayout, dst: KVLayout, rel_s: np.ndarray, rel_d: np.ndarray, n: np.ndarray
+) -> CopyPlan:
+    """Rows relative to a region's base (the same in every region, merged already),
+    repeated at each region's base, region by region."""
+    base_s = np.array([r.base_addr for r in src.regions], dtype=np.int64)
+    base_d = np.array([r.base_addr for r in dst.regions], dtype=np.int64)
+    s = (base_s[:, None] + rel_s[None, :]).reshape(-1)
+    d = (base_d[:, None] + rel_d[None, :]).reshape(-1)
+    return CopyPlan(s, d, np.tile(n, len(src.regions)))
 
 
 def _merge_runs(

@@ -191,3 +191,33 @@ def test_equal_block_sizes_copy_whole_blocks_when_padding_the_tail():
     assert plan.num_descs == spec.num_regions  # three whole blocks, one run per region
     unpadded = check(spec, spec, [0, 1, 2], [7, 8, 9], 0, 70)
     assert unpadded.num_descs >= 10 * spec.num_regions  # K dim by dim in the partial tail
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+@pytest.mark.parametrize(
+    "src_ids,dst_ids,start",
+    [
+        (list(range(8)), list(range(8, 16)), 0),  # contiguous
+        ([0, 1, 5, 6, 7, 2, 3, 4], [9, 8, 10, 11, 20, 21, 3, 2], 0),  # fragmented
+        ([4, 5, 6, 7, 0, 1, 2, 3], list(range(16, 24)), 32),  # cached prefix, whole blocks
+    ],
+)
+def test_whole_block_fast_path_plans_what_the_general_path_plans(
+    monkeypatch, head_major, src_ids, dst_ids, start
+):
+    spec = replace(BASE, head_major=head_major)
+    check(spec, spec, src_ids, dst_ids, start, 128)  # byte-exact, through the fast path
+    from kvpush.transfer import layout
+
+    # The same plan row for row, on fixed addresses, with the fast path and without it.
+    src = spec.build([1 << 20, 3 << 20])
+    dst = spec.build([5 << 20, 7 << 20])
+    fast = plan_copies(src, dst, src_ids, dst_ids, start, 128)
+    monkeypatch.setattr(layout, "_whole_blocks", lambda *args: False)
+    general = plan_copies(src, dst, src_ids, dst_ids, start, 128)
+    for got, want in zip(
+        (fast.src_addrs, fast.dst_addrs, fast.num_bytes),
+        (general.src_addrs, general.dst_addrs, general.num_bytes),
+        strict=True,
+    ):
+        assert np.array_equal(got, want)
