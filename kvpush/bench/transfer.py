@@ -32,7 +32,9 @@ raw WRITE). Per grid point, medians of several repeats:
 Shapes: on DRAM, one region with block sizes from 4 KiB to 1 MiB; with `--device cuda`, the
 KV of one tensor-parallel rank of Qwen3-32B at TP 8 (64 layers, K and V in separate
 regions, 1 KV head of 128 in bf16, 16-token blocks: 4 KiB per block per region) for
-prompts of 1k, 4k and 16k tokens.
+prompts of 1k, 4k and 16k tokens, twice: each region its own tensor (layer-outer), then
+every region's block side by side in one buffer (cross-layer, vLLM's block-outer layouts;
+rows with `cross_layer: true`), where a run of blocks is one descriptor for all regions.
 """
 
 from __future__ import annotations
@@ -186,11 +188,11 @@ def _staging_copy(
     wall_ms = (time.perf_counter() - t0) * 1e3
     ok = True
     if op == "GATHER":  # byte-exact against torch, for the first and last rows
-        bases = memory.addresses()
+        bases = [b.data_ptr() for b in memory.buffers]
         for i in (0, plan.num_descs - 1):
             addr, n, o = int(rows[i]), int(plan.num_bytes[i]), int(offsets[i])
-            r = max((b, k) for k, b in enumerate(bases) if b <= addr)[1]  # its region
-            want = memory.regions[r][addr - bases[r] :][:n]
+            k = max((b, k) for k, b in enumerate(bases) if b <= addr)[1]  # its buffer
+            want = memory.buffers[k][addr - bases[k] :][:n]
             ok = ok and bool(torch.equal(want, staging[o : o + n]))
     return {"ok": ok, "kernel_ms": start.elapsed_time(end), "wall_ms": wall_ms}
 
@@ -332,6 +334,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         for g, sc in zip(runs["gather_ms"], runs["scatter_ms"], strict=True)
                     ]
                 row = {
+                    "cross_layer": spec.cross_layer,
                     "block_bytes": block_bytes,
                     "num_regions": spec.num_regions,
                     "num_blocks": n,
@@ -472,8 +475,15 @@ def main(quick: bool = False, out: Path | None = None, device: str = "cpu") -> i
     else:
         tokens = CUDA_TOKENS["quick" if quick else "full"]
         spec = QWEN3_32B_TP8
-        rows += _run_shape(spec, [t // spec.block_size for t in tokens], repeats)
-        shape = "Qwen3-32B, one TP-8 rank: 64 layers x K,V regions, 1 KV head of 128, bf16"
+        counts = [t // spec.block_size for t in tokens]
+        rows += _run_shape(spec, counts, repeats)
+        print("cross-layer (block-outer) layout of the same rank:", flush=True)
+        rows += _run_shape(replace(spec, cross_layer=True), counts, repeats)
+        shape = (
+            "Qwen3-32B, one TP-8 rank: 64 layers x K,V regions, 1 KV head of 128, bf16; "
+            "layer-outer (each region its own tensor), then cross-layer (block-outer, one "
+            "buffer, rows with cross_layer: true)"
+        )
     result = {
         "benchmark": "transfer",
         "quick": quick,

@@ -42,10 +42,20 @@ class Agent:
         self._remotes: set[str] = set()
 
     def register(self, layout: KVLayout) -> None:
-        regions = [
-            (r.base_addr, layout.region_num_bytes, layout.dev_id, "") for r in layout.regions
-        ]
-        self._reg_descs.append(self._agent.register_memory(regions, layout.mem_type))
+        """Register the layout's memory: each region, or the union of regions that overlap
+        (a block-outer layout's regions interleave in one buffer), so that every descriptor
+        a copy plan makes, one spanning all regions of a block too, is inside one area."""
+        spans = sorted((r.base_addr, r.base_addr + layout.region_num_bytes) for r in layout.regions)
+        if layout.tiles_blocks:  # one buffer, even where a single block leaves no overlap
+            spans = [(spans[0][0], spans[-1][1])]
+        areas = [list(spans[0])]
+        for start, end in spans[1:]:
+            if start < areas[-1][1]:  # not merely adjacent: two allocations may touch
+                areas[-1][1] = max(areas[-1][1], end)
+            else:
+                areas.append([start, end])
+        descs = [(start, end - start, layout.dev_id, "") for start, end in areas]
+        self._reg_descs.append(self._agent.register_memory(descs, layout.mem_type))
 
     def register_area(self, addr: int, num_bytes: int, mem_type: str, dev_id: int) -> None:
         """One more buffer peers may WRITE into or from (a staging area)."""

@@ -55,7 +55,7 @@ class TransferConfig:
     # where the KV is in VRAM and none on DRAM; 0 turns staging off
     staging_bytes: int | None = None
     # prefill stages a push whose copy plan would post at least this many descriptors
-    # (estimated as block runs x regions), when both sides have a slot free
+    # (estimated as block runs x layout.descs_per_run), when both sides have a slot free
     staging_min_descs: int = 512
 
     def __post_init__(self) -> None:

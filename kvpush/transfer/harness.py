@@ -38,9 +38,13 @@ class LayoutSpec:
     dim_major_parts: tuple[int, ...] = ()
     elem_bytes: int = 1
     device: str = "cpu"  # or "cuda": the regions are torch tensors on GPU 0
+    # block-outer ("cross-layer", vLLM's BLHNC): one buffer holding, block after block,
+    # that block of every region side by side
+    cross_layer: bool = False
 
     def build(self, addresses: list[int]) -> KVLayout:
-        regions = tuple(RegionSpec(a, self.block_bytes) for a in addresses)
+        stride = self.block_bytes * (self.num_regions if self.cross_layer else 1)
+        regions = tuple(RegionSpec(a, stride) for a in addresses)
         return KVLayout(
             regions,
             self.num_blocks,
@@ -78,32 +82,46 @@ def host_addresses(arrays: list[np.ndarray]) -> list[int]:
 
 class Memory:
     """A child's KV regions, filled with a seeded pattern (prefill) or a 0xEE sentinel
-    (decode, so stray writes show): numpy arrays in DRAM, or the same bytes on the GPU."""
+    (decode, so stray writes show): numpy arrays in DRAM, or the same bytes on the GPU. A
+    cross-layer spec keeps them in one buffer, interleaved block by block; `read()` returns
+    each region's bytes apart either way, as the reference expects."""
 
     def __init__(self, spec: LayoutSpec, seed: int | None) -> None:
+        self.spec = spec
         if seed is None:
             host = [np.full(spec.region_num_bytes, 0xEE, np.uint8) for _ in range(spec.num_regions)]
         else:
             host = fill_pattern(spec, seed)
+        if spec.cross_layer:  # [block][region][bytes]
+            blocks = [h.reshape(spec.num_blocks, spec.block_bytes) for h in host]
+            host = [np.stack(blocks, axis=1).reshape(-1)]
         self.cuda = spec.device != "cpu"
         if self.cuda:
             import torch
 
             torch.cuda.set_device(0)
-            self.regions: list[Any] = [torch.from_numpy(a).to("cuda") for a in host]
+            self.buffers: list[Any] = [torch.from_numpy(a).to("cuda") for a in host]
             torch.cuda.synchronize()
         else:
-            self.regions = host
+            self.buffers = host
 
     def addresses(self) -> list[int]:
-        return [r.data_ptr() if self.cuda else r.ctypes.data for r in self.regions]
+        bases = [b.data_ptr() if self.cuda else b.ctypes.data for b in self.buffers]
+        if self.spec.cross_layer:
+            return [bases[0] + r * self.spec.block_bytes for r in range(self.spec.num_regions)]
+        return bases
 
     def read(self) -> list[np.ndarray]:
-        return [r.cpu().numpy() if self.cuda else r.copy() for r in self.regions]
+        got = [b.cpu().numpy() if self.cuda else b.copy() for b in self.buffers]
+        if not self.spec.cross_layer:
+            return got
+        spec = self.spec
+        blocks = got[0].reshape(spec.num_blocks, spec.num_regions, spec.block_bytes)
+        return [blocks[:, r, :].reshape(-1).copy() for r in range(spec.num_regions)]
 
     def reset(self) -> None:
-        for r in self.regions:
-            r.fill_(0xEE) if self.cuda else r.fill(0xEE)
+        for b in self.buffers:
+            b.fill_(0xEE) if self.cuda else b.fill(0xEE)
 
 
 def _child(

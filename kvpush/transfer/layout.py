@@ -80,6 +80,19 @@ class KVLayout(msgspec.Struct, frozen=True):
         return self.block_size * self.token_bytes
 
     @property
+    def tiles_blocks(self) -> bool:
+        """Whether block b of every region, in order, forms one byte range (region r at
+        base_0 + r * block_bytes, every stride regions * block_bytes): vLLM's block-outer
+        ("cross-layer") cache layouts, BLHNC and BLNHC. A run of whole blocks is then one
+        descriptor for all regions, not one per region."""
+        bb, first = self.block_bytes, self.regions[0].base_addr
+        stride = len(self.regions) * bb
+        return all(
+            r.block_stride_bytes == stride and r.base_addr == first + i * bb
+            for i, r in enumerate(self.regions)
+        )
+
+    @property
     def region_num_bytes(self) -> int:
         return (self.num_blocks - 1) * self.regions[0].block_stride_bytes + self.block_bytes
 
@@ -267,16 +280,18 @@ def plan_copies(
     num_regions = len(src.regions)
     stride_s = np.array([r.block_stride_bytes for r in src.regions], dtype=np.int64)
     stride_d = np.array([r.block_stride_bytes for r in dst.regions], dtype=np.int64)
-    if _whole_blocks(src, dst, heads, start_token, end_token, stride_s, stride_d):
+    if whole_blocks(src, dst, heads, start_token, end_token):
         # Fast path (equal layouts, every head, whole blocks; the usual push): one row per
-        # block, merged into runs before the regions multiply them.
-        bs = src.block_size
-        b0, b1 = start_token // bs, end_token // bs
-        rows = _merge_runs(
-            src_ids[b0:b1] * stride_s[0],
-            dst_ids[b0:b1] * stride_d[0],
-            np.full(b1 - b0, src.block_bytes, dtype=np.int64),
-        )
+        # block, merged into runs before the regions multiply them; where both sides tile
+        # each block across the regions, one row per run covers every region.
+        b0, b1 = start_token // src.block_size, end_token // src.block_size
+        ids_s, ids_d = src_ids[b0:b1], dst_ids[b0:b1]
+        if src.tiles_blocks and dst.tiles_blocks:
+            base_s, base_d = src.regions[0].base_addr, dst.regions[0].base_addr
+            s, d = base_s + ids_s * stride_s[0], base_d + ids_d * stride_d[0]
+            return CopyPlan(*_merge_runs(s, d, np.full(len(s), stride_s[0], dtype=np.int64)))
+        length = np.full(len(ids_s), src.block_bytes, dtype=np.int64)
+        rows = _merge_runs(ids_s * stride_s[0], ids_d * stride_d[0], length)
         return _every_region(src, dst, *rows)
 
     # Token pieces that sit inside one source block and one destination block.
@@ -349,17 +364,10 @@ def _one_stride(stride_s: np.ndarray, stride_d: np.ndarray) -> bool:
     return bool((stride_s == stride_s[0]).all() and (stride_d == stride_d[0]).all())
 
 
-def _whole_blocks(
-    src: KVLayout,
-    dst: KVLayout,
-    heads: range,
-    start: int,
-    end: int,
-    stride_s: np.ndarray,
-    stride_d: np.ndarray,
-) -> bool:
-    """Whether tokens [start, end) of `heads` are whole blocks that both sides store alike:
-    each block then copies as one byte range into one block."""
+def whole_blocks(src: KVLayout, dst: KVLayout, heads: range, start: int, end: int) -> bool:
+    """Whether tokens [start, end) of `heads` are whole blocks that both sides store alike
+    (one block stride for all regions of a side): each block then copies as one byte range
+    per region into one block."""
     bs = src.block_size
     return (
         bs == dst.block_size
@@ -367,8 +375,18 @@ def _whole_blocks(
         and end % bs == 0
         and heads == range(src.first_head, src.first_head + src.num_heads)
         and heads == range(dst.first_head, dst.first_head + dst.num_heads)
-        and _one_stride(stride_s, stride_d)
+        and len({r.block_stride_bytes for r in src.regions}) == 1
+        and len({r.block_stride_bytes for r in dst.regions}) == 1
     )
+
+
+def descs_per_run(src: KVLayout, dst: KVLayout, heads: range, start: int, end: int) -> int:
+    """Descriptors one run of consecutive blocks costs (before any cut by the other side's
+    runs): one where both sides tile blocks across regions and the copy is of whole blocks,
+    else at least one per region."""
+    if src.tiles_blocks and dst.tiles_blocks and whole_blocks(src, dst, heads, start, end):
+        return 1
+    return len(src.regions)
 
 
 def _every_region(

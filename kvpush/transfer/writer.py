@@ -17,7 +17,14 @@ import numpy as np
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
-from kvpush.transfer.layout import KVLayout, digest, padded_end, plan_copies, plan_regions
+from kvpush.transfer.layout import (
+    KVLayout,
+    descs_per_run,
+    digest,
+    padded_end,
+    plan_copies,
+    plan_regions,
+)
 from kvpush.transfer.matcher import Action, Matcher, Release, Reply, Source, Write
 from kvpush.transfer.staging import slot_layout, slot_size
 
@@ -311,7 +318,8 @@ class PrefillEndpoint(Endpoint):
             _block_runs(w.source.block_ids, self.layout.block_size, start, end),
             _block_runs(reg.block_ids, peer.layout.block_size, start, end),
         )
-        if runs * len(self.layout.regions) < self.config.staging_min_descs:
+        per_run = descs_per_run(self.layout, peer.layout, heads, start, end)
+        if runs * per_run < self.config.staging_min_descs:
             return None
         size = slot_size(peer.layout, heads, start, reg.num_tokens)
         if size > reg.staging_bytes:

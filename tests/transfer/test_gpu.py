@@ -201,3 +201,19 @@ def test_cuda_staged_tp_split_and_gather(sides):
     assert [s.call("counters")["staged"] for s in split] == [2, 1, 1]
     gather = tp2_to_tp1(sides, device="cuda", **STAGED)
     assert [s.call("counters")["staged"] for s in gather] == [1, 1, 2]
+
+
+def test_cuda_cross_layer_run_is_one_descriptor_and_a_staged_scatter_lands(sides):
+    """Block-outer (cross-layer) VRAM, one buffer per side: a run of whole blocks is one
+    descriptor for every region; a scattered push past the threshold is staged."""
+    port = free_port()
+    cross = spec(device="cuda", cross_layer=True, num_regions=8)
+    staged = {"staging_bytes": 64 << 20, "staging_min_descs": 3}
+    prefill = sides("prefill", prefill_config(port, **staged), cross)
+    decode = sides("decode", decode_config(**staged), cross)
+    address = PrefillAddress("127.0.0.1", port)
+    assert push(prefill, decode, address, [1, 2, 3, 4], [10, 11, 12, 13], 64).num_descs == 1
+    assert push(prefill, decode, address, [5, 6, 7], [20, 21, 30], 48).num_descs == 2
+    assert push(prefill, decode, address, [5, 9, 7, 8, 30], [20, 41, 30, 3, 12], 80).num_descs == 1
+    assert [s.call("counters")["staged"] for s in (prefill, decode)] == [1, 1]
+    assert_idle(prefill, decode)

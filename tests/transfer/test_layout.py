@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from kvpush.transfer.harness import LayoutSpec, fill_pattern, host_addresses
+from kvpush.transfer.harness import LayoutSpec, Memory, fill_pattern, host_addresses
 from kvpush.transfer.layout import digest, plan_copies, rank_heads, writer_heads
 from tests.transfer.reference import expected_after_push
 
@@ -213,7 +214,7 @@ def test_whole_block_fast_path_plans_what_the_general_path_plans(
     src = spec.build([1 << 20, 3 << 20])
     dst = spec.build([5 << 20, 7 << 20])
     fast = plan_copies(src, dst, src_ids, dst_ids, start, 128)
-    monkeypatch.setattr(layout, "_whole_blocks", lambda *args: False)
+    monkeypatch.setattr(layout, "whole_blocks", lambda *args: False)
     general = plan_copies(src, dst, src_ids, dst_ids, start, 128)
     for got, want in zip(
         (fast.src_addrs, fast.dst_addrs, fast.num_bytes),
@@ -221,3 +222,69 @@ def test_whole_block_fast_path_plans_what_the_general_path_plans(
         strict=True,
     ):
         assert np.array_equal(got, want)
+
+
+def land(src_spec, dst_spec, src_ids, dst_ids, start, end, heads=None, pad_tail=False):
+    """Carry out a plan with memmove on the harness's own memory (interleaved block by block
+    for a cross-layer spec) and check decode's regions against the reference."""
+    src, dst = Memory(src_spec, 7), Memory(dst_spec, None)
+    src_layout, dst_layout = src_spec.build(src.addresses()), dst_spec.build(dst.addresses())
+    heads = heads or range(dst_spec.first_head, dst_spec.first_head + dst_spec.num_heads)
+    plan = plan_copies(src_layout, dst_layout, src_ids, dst_ids, start, end, heads, pad_tail)
+    before = dst.read()
+    for s, d, n in zip(plan.src_addrs, plan.dst_addrs, plan.num_bytes, strict=True):
+        ctypes.memmove(int(d), int(s), int(n))
+    if pad_tail and src_spec.block_size == dst_spec.block_size:
+        end = -(-end // src_spec.block_size) * src_spec.block_size
+    want = expected_after_push(
+        src.read(), before, src_spec, dst_spec, src_ids, dst_ids, start, end, heads
+    )
+    for got, exp in zip(dst.read(), want, strict=True):
+        assert np.array_equal(got, exp)
+    return plan
+
+
+CROSS = replace(BASE, cross_layer=True, num_regions=4)
+
+
+def test_cross_layer_layouts_tile_blocks_and_layer_outer_ones_do_not():
+    mem = Memory(CROSS, None)
+    assert CROSS.build(mem.addresses()).tiles_blocks
+    flat = replace(CROSS, cross_layer=False)
+    assert not flat.build(Memory(flat, None).addresses()).tiles_blocks
+
+
+@pytest.mark.parametrize("head_major", [True, False])
+def test_cross_layer_run_of_whole_blocks_is_one_descriptor_for_every_region(head_major):
+    spec = replace(CROSS, head_major=head_major)
+    assert land(spec, spec, [3, 4, 5, 6], [10, 11, 12, 13], 0, 64).num_descs == 1
+    # fragmented: one per run of both sides ([10, 11] [20] [5, 6]), not one per region too
+    assert land(spec, spec, [1, 2, 3, 4, 5], [10, 11, 20, 5, 6], 0, 80).num_descs == 3
+    # a partial tail goes whole when padded; a cached prefix of whole blocks is skipped
+    assert land(spec, spec, [0, 1, 2], [7, 8, 9], 0, 40, pad_tail=True).num_descs == 1
+    assert land(spec, spec, [0, 1, 2, 3], [20, 21, 9, 10], 32, 64).num_descs == 1
+
+
+@pytest.mark.parametrize(
+    "src_spec,dst_spec,start,end",
+    [
+        (CROSS, CROSS, 24, 64),  # cached prefix mid-block: not whole blocks
+        (CROSS, replace(CROSS, block_size=32), 0, 64),  # block size change
+        (replace(CROSS, block_size=32), CROSS, 0, 64),
+        (CROSS, replace(CROSS, cross_layer=False), 0, 64),  # one side layer-outer
+        (replace(CROSS, cross_layer=False), CROSS, 0, 64),
+    ],
+)
+def test_cross_layer_layouts_land_exactly_where_blocks_are_cut(src_spec, dst_spec, start, end):
+    plan = land(src_spec, dst_spec, [0, 1, 2, 3], [9, 8, 7, 6], start, end)
+    assert plan.num_descs >= CROSS.num_regions  # per region again
+
+
+def test_cross_layer_tp_split_and_gather_land_exactly():
+    prefill = replace(CROSS, num_heads=4, total_heads=4)
+    for first in (0, 2):
+        decode = replace(CROSS, num_heads=2, first_head=first, total_heads=4)
+        land(prefill, decode, [0, 1], [5, 6], 0, 32)
+    whole = replace(CROSS, num_heads=4, total_heads=4)
+    half = replace(CROSS, num_heads=2, first_head=2, total_heads=4)
+    land(half, whole, [0, 1], [5, 6], 0, 32, heads=range(2, 4))
