@@ -171,6 +171,10 @@ class Dispatcher:
                 log.debug("prefill leg %s ended with %r", transfer_id, task.exception())
 
         p_task.add_done_callback(prefill_ended)
+        # Let the prefill leg reach the wire first: it is on every request's TTFT, while
+        # decode's leg need only register before prefill finishes. (Without this yield the
+        # decode request, built and sent in this task, always went out first.)
+        await asyncio.sleep(0)
 
         def abandon() -> None:
             p_task.cancel()

@@ -53,12 +53,14 @@ class FakeLegs:
     def __init__(self) -> None:
         self.prefill_calls: list[tuple[str, dict]] = []
         self.decode_calls: list[tuple[str, dict]] = []
+        self.order: list[str] = []  # which leg was sent when
         self.prefills: list[asyncio.Future] = []
         self.decodes: list[FakeDecodeResponse] = []
         self.arrived = asyncio.Event()
 
     async def prefill(self, engine, chat, body, headers):
         self.prefill_calls.append((engine.info.engine_id, body))
+        self.order.append("prefill")
         future = asyncio.get_running_loop().create_future()
         self.prefills.append(future)
         self.arrived.set()
@@ -66,6 +68,7 @@ class FakeLegs:
 
     async def decode(self, engine, chat, body, headers):
         self.decode_calls.append((engine.info.engine_id, body))
+        self.order.append("decode")
         response = FakeDecodeResponse()
         self.decodes.append(response)
         self.arrived.set()
@@ -101,6 +104,20 @@ def idle(pool: EnginePool) -> bool:
 
 
 STREAM = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
+
+
+def test_push_sends_the_prefill_leg_first():
+    """Prefill's leg is on the TTFT; decode's only has to register before prefill ends."""
+
+    async def go():
+        dispatcher, pool, legs, _ = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.prefill_calls and legs.decode_calls)
+        assert legs.order == ["prefill", "decode"]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
 
 
 def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
