@@ -461,7 +461,23 @@ def main(quick: bool = False, out: Path | None = None, device: str = "cpu") -> i
         os.environ["KVPUSH_CHILD_LOG_DIR"] = log_dir  # the children's C-level output
     print(HEADER, flush=True)
     rows: list[dict] = []
+    result = {
+        "benchmark": "transfer",
+        "quick": quick,
+        "memory": memory,
+        "backend": "UCX",
+        "host": _host(device),
+        "created_unix_s": int(time.time()),
+        "rows": rows,
+    }
+
+    def save() -> None:  # after each shape, so a run cut short keeps what it measured
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+
     if device == "cpu":
+        result["shape"] = "one region, 16-token blocks of 4 KiB to 1 MiB"
         grid = QUICK_GRID if quick else FULL_GRID
         for block_bytes in grid["block_bytes"]:
             spec = LayoutSpec(
@@ -471,35 +487,24 @@ def main(quick: bool = False, out: Path | None = None, device: str = "cpu") -> i
                 num_regions=1,
             )
             rows += _run_shape(spec, grid["num_blocks"], repeats)
-        shape = "one region, 16-token blocks of 4 KiB to 1 MiB"
+            save()
     else:
-        tokens = CUDA_TOKENS["quick" if quick else "full"]
-        spec = QWEN3_32B_TP8
-        counts = [t // spec.block_size for t in tokens]
-        rows += _run_shape(spec, counts, repeats)
-        print("cross-layer (block-outer) layout of the same rank:", flush=True)
-        rows += _run_shape(replace(spec, cross_layer=True), counts, repeats)
-        shape = (
+        result["shape"] = (
             "Qwen3-32B, one TP-8 rank: 64 layers x K,V regions, 1 KV head of 128, bf16; "
             "layer-outer (each region its own tensor), then cross-layer (block-outer, one "
             "buffer, rows with cross_layer: true)"
         )
-    result = {
-        "benchmark": "transfer",
-        "quick": quick,
-        "memory": memory,
-        "shape": shape,
-        "backend": "UCX",
-        "host": _host(device),
-        "created_unix_s": int(time.time()),
-        "rows": rows,
-    }
-    if device != "cpu":
+        tokens = CUDA_TOKENS["quick" if quick else "full"]
+        spec = QWEN3_32B_TP8
+        counts = [t // spec.block_size for t in tokens]
+        rows += _run_shape(spec, counts, repeats)
+        save()
+        print("cross-layer (block-outer) layout of the same rank:", flush=True)
+        rows += _run_shape(replace(spec, cross_layer=True), counts, repeats)
         result["ucx"] = _transports(log_dir)
         print(f"UCX transports seen: {', '.join(result['ucx']['transports']) or 'none printed'}")
+    save()
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
         print(f"wrote {out}")
     return 0
 
