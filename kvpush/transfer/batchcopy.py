@@ -21,6 +21,10 @@ _kernel: Any = None
 # kernel of its own for Triton, compiled on first use; warm_up() compiles the defaults.
 CHUNK = 1024
 NUM_WARPS = 4
+# A row longer than this is cut into pieces, one program each: one program copies its row
+# alone, so a single long row (a run of many blocks) would otherwise serialise the copy
+# (measured: one 512 MiB row took 36 ms on the H200, against 0.3 ms for 131,072 rows).
+MAX_ROW_BYTES = 64 << 10
 
 
 def _build() -> Any:
@@ -89,21 +93,47 @@ def copy_rows(
         return
     if _kernel is None:
         _kernel = _build()
-    packed, word = pack(src, dst, num_bytes, src_bases, dst_bases)
+    packed, word, num_rows = pack(src, dst, num_bytes, src_bases, dst_bases)
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
         args = torch.from_numpy(packed).to("cuda")  # one host-to-device copy for everything
-        launch(_kernel, args, len(src), word, chunk, num_warps)
+        launch(_kernel, args, num_rows, word, chunk, num_warps)
 
 
 def pack(
-    src: Any, dst: Any, num_bytes: Any, src_bases: Any, dst_bases: Any
-) -> tuple[np.ndarray, int]:
+    src: Any,
+    dst: Any,
+    num_bytes: Any,
+    src_bases: Any,
+    dst_bases: Any,
+    max_row_bytes: int = MAX_ROW_BYTES,
+) -> tuple[np.ndarray, int, int]:
     """The kernel's arguments as one int64 array (rows' src, dst, lengths, then the regions'
-    source and destination bases), and the word size they allow."""
+    source and destination bases), the word size they allow, and the number of rows after
+    rows longer than `max_row_bytes` were cut into pieces."""
     if len(src_bases) != len(dst_bases):
         raise ValueError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions")
-    arrays = [np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes, src_bases, dst_bases)]
-    return np.concatenate(arrays), word_size(*arrays)
+    if max_row_bytes < 8 or max_row_bytes % 8:
+        raise ValueError(f"max_row_bytes must be a positive multiple of 8, got {max_row_bytes}")
+    rows = split_rows(
+        *(np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes)), max_row_bytes
+    )
+    bases = [np.asarray(a, dtype=np.int64) for a in (src_bases, dst_bases)]
+    arrays = [*rows, *bases]
+    return np.concatenate(arrays), word_size(*arrays), len(rows[0])
+
+
+def split_rows(
+    src: np.ndarray, dst: np.ndarray, num_bytes: np.ndarray, max_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The same copies, with every row longer than `max_bytes` cut into pieces of at most
+    `max_bytes` (a multiple of 8, so the pieces keep the rows' word alignment)."""
+    pieces = np.maximum(1, -(-num_bytes // max_bytes))
+    if (pieces == 1).all():
+        return src, dst, num_bytes
+    row = np.repeat(np.arange(len(num_bytes)), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)  # each row's first piece
+    offset = (np.arange(len(row)) - first) * max_bytes
+    return src[row] + offset, dst[row] + offset, np.minimum(num_bytes[row] - offset, max_bytes)
 
 
 def launch(kernel: Any, args: Any, num_rows: int, word: int, chunk: int, num_warps: int) -> None:

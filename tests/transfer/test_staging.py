@@ -272,11 +272,24 @@ def test_the_batch_copy_kernel_in_tritons_interpreter(monkeypatch, offset):
     rel_d, n = np.array([2048, 0, 3072, 6000]), np.array([512, 8, 96, 1600])
     bases_s = [src[i].data_ptr() for i in range(3)]
     bases_d = [dst[i].data_ptr() for i in range(3)]
-    packed, word = batchcopy.pack(rel_s, rel_d, n, bases_s, bases_d)
-    assert word == (8 if offset == 0 else 1)
-    batchcopy.launch(kernel, torch.from_numpy(packed), len(n), word, 512, 4)  # 2 steps a row
+    # rows over 1,024 bytes go in pieces (here the 1,600-byte row: 1,024 + 576)
+    packed, word, num_rows = batchcopy.pack(rel_s, rel_d, n, bases_s, bases_d, 1024)
+    assert (word, num_rows) == (8 if offset == 0 else 1, len(n) + 1)
+    batchcopy.launch(kernel, torch.from_numpy(packed), num_rows, word, 64, 4)  # 16 steps a row
     want = torch.zeros_like(src)
     for r in range(3):
         for s, d, k in zip(rel_s, rel_d, n, strict=True):
             want[r, d : d + k] = src[r, s : s + k]
     assert torch.equal(dst, want)  # every row in every region, and nothing else
+
+
+def test_long_rows_are_cut_into_pieces_that_cover_them_exactly():
+    from kvpush.transfer.batchcopy import split_rows
+
+    src, dst, n = np.array([0, 10_000]), np.array([50_000, 90_000]), np.array([24, 2_056])
+    s, d, k = split_rows(src, dst, n, 1024)
+    assert s.tolist() == [0, 10_000, 11_024, 12_048]
+    assert d.tolist() == [50_000, 90_000, 91_024, 92_048]
+    assert k.tolist() == [24, 1024, 1024, 8]
+    same = split_rows(src, dst, n, 4096)
+    assert all(a is b for a, b in zip(same, (src, dst, n), strict=True))  # nothing to cut
