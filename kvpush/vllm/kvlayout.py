@@ -13,10 +13,14 @@ def layout_from_kv_caches(
     """One region per layer (two where K and V are separate tensors).
 
     Supported shapes, per layer:
-    - [blocks, heads, block_size, 2 * head_dim]: vLLM's CPU backend; each head holds its K
-      as [dim][token], then its V as [token][dim] (head-major, two parts; checked at start-up
-      by `probe_cpu_layout`);
-    - [2, blocks, heads, block_size, head_dim]: K and V apart, head-major (HND);
+    - [blocks, heads, block_size, 2 * head_dim] on CPU: vLLM's CPU backend; each head holds
+      its K as [dim][token], then its V as [token][dim] (head-major, two parts; checked at
+      start-up by `probe_cpu_layout`);
+    - [blocks, heads, block_size, 2 * head_dim] on a GPU: vLLM's per-layer views of the HND
+      (LBHNC) layout, each token of a head its K then its V (FlashAttention splits the last
+      dimension so); head-major, K and V one vector. The block stride is the view's, so a
+      block-outer (cross-layer) buffer is read as such (KVLayout.tiles_blocks);
+    - [2, blocks, heads, block_size, head_dim]: K and V apart, head-major (HND; older vLLM);
     - [2, blocks, block_size, heads, head_dim]: K and V apart, token-major (NHD).
     """
     tensors = list(kv_caches.values())
@@ -34,15 +38,19 @@ def layout_from_kv_caches(
         raise ValueError(f"KV cache blocks are not contiguous (strides {first.stride()})")
     size = first.element_size()
     heads = rank_heads(tp_rank, tp_size, total_heads)
-    mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
+    on_cpu = first.device.type == "cpu"
+    mem_type = "DRAM" if on_cpu else "VRAM"
     dev_id = first.device.index or 0
     shape = tuple(first.shape)
     if len(shape) == 4 and shape[1] == len(heads) and shape[2] == block_size:
         num_blocks, _, _, content = shape
-        probe_cpu_layout(first.dtype, block_size, content // 2)
         regions = [RegionSpec(t.data_ptr(), t.stride(0) * size) for t in tensors]
-        head_bytes, head_major, num_parts = content // 2 * size, True, 2
-        dim_major_parts = (0,)
+        head_major = True
+        if on_cpu:
+            probe_cpu_layout(first.dtype, block_size, content // 2)
+            head_bytes, num_parts, dim_major_parts = content // 2 * size, 2, (0,)
+        else:
+            head_bytes, num_parts, dim_major_parts = content * size, 1, ()
     elif len(shape) == 5 and shape[0] == 2:
         _, num_blocks, a, b, head_dim = shape
         head_major = (a, b) == (len(heads), block_size)
