@@ -80,6 +80,12 @@ class KVLayout(msgspec.Struct, frozen=True):
         return self.block_size * self.token_bytes
 
     @property
+    def one_stride(self) -> bool:
+        """Whether every region has the same block stride (vLLM's layers do)."""
+        first = self.regions[0].block_stride_bytes
+        return all(r.block_stride_bytes == first for r in self.regions)
+
+    @property
     def tiles_blocks(self) -> bool:
         """Whether block b of every region, in order, forms one byte range (region r at
         base_0 + r * block_bytes, every stride regions * block_bytes): vLLM's block-outer
@@ -171,8 +177,7 @@ def plan_regions(
     """plan_copies, factored by region: the rows of one region, built once, and every
     region's base. Exact where every region of a side has one block stride (vLLM's layers
     do), since the rows then differ between regions only by the base."""
-    strides = [{r.block_stride_bytes for r in lay.regions} for lay in (src, dst)]
-    if any(len(s) > 1 for s in strides):
+    if not (src.one_stride and dst.one_stride):
         plan = plan_copies(src, dst, src_block_ids, dst_block_ids, start_token, end_token, heads)
         zero = np.zeros(1, dtype=np.int64)
         return RegionPlan(plan, zero, zero)
@@ -341,7 +346,7 @@ def plan_copies(
     # differ only in their base address, so where every region has the same block stride and
     # a row has one column, consecutive rows are merged once, before the regions multiply them.
     blk_s, blk_d = src_blk[row_piece], dst_blk[row_piece]
-    if nn.shape[1] == 1 and _one_stride(stride_s, stride_d):
+    if nn.shape[1] == 1 and src.one_stride and dst.one_stride:
         rel_s = blk_s * stride_s[0] + off_s[:, 0]
         rel_d = blk_d * stride_d[0] + off_d[:, 0]
         return _every_region(src, dst, *_merge_runs(rel_s, rel_d, nn[:, 0]))
@@ -359,11 +364,6 @@ def plan_copies(
     return CopyPlan(*_merge_runs(s, d, n, reg))
 
 
-def _one_stride(stride_s: np.ndarray, stride_d: np.ndarray) -> bool:
-    """Whether every region of each side has the same block stride (vLLM's layers do)."""
-    return bool((stride_s == stride_s[0]).all() and (stride_d == stride_d[0]).all())
-
-
 def whole_blocks(src: KVLayout, dst: KVLayout, heads: range, start: int, end: int) -> bool:
     """Whether tokens [start, end) of `heads` are whole blocks that both sides store alike
     (one block stride for all regions of a side): each block then copies as one byte range
@@ -375,8 +375,8 @@ def whole_blocks(src: KVLayout, dst: KVLayout, heads: range, start: int, end: in
         and end % bs == 0
         and heads == range(src.first_head, src.first_head + src.num_heads)
         and heads == range(dst.first_head, dst.first_head + dst.num_heads)
-        and len({r.block_stride_bytes for r in src.regions}) == 1
-        and len({r.block_stride_bytes for r in dst.regions}) == 1
+        and src.one_stride
+        and dst.one_stride
     )
 
 
