@@ -171,10 +171,6 @@ class Dispatcher:
                 log.debug("prefill leg %s ended with %r", transfer_id, task.exception())
 
         p_task.add_done_callback(prefill_ended)
-        # Let the prefill leg reach the wire first: it is on every request's TTFT, while
-        # decode's leg need only register before prefill finishes. (Without this yield the
-        # decode request, built and sent in this task, always went out first.)
-        await asyncio.sleep(0)
 
         def abandon() -> None:
             p_task.cancel()
@@ -306,6 +302,12 @@ class Dispatcher:
                     raise failure
                 p_task.add_done_callback(prefill_done)
             try:
+                if p_task is not None:
+                    # Let the prefill leg reach the wire first: it is on every request's
+                    # TTFT, while decode's need only register before prefill finishes.
+                    # (Without this yield decode's request, built and sent in this task,
+                    # always went out first.) Here, a cancel meanwhile abandons both legs.
+                    await asyncio.sleep(0)
                 data = await self._decode_leg(
                     decode, chat, d_body, headers, trace, hold, read=not early
                 )

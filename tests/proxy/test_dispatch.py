@@ -120,6 +120,22 @@ def test_push_sends_the_prefill_leg_first():
     asyncio.run(go())
 
 
+def test_a_client_gone_while_the_prefill_leg_goes_out_first_abandons_both_legs():
+    """Cancelled in the yield that lets prefill's leg out first: nothing held anywhere."""
+
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await asyncio.sleep(0)  # the dispatch runs up to that yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await until(lambda: legs.prefills and legs.prefills[0].cancelled())
+        assert legs.decode_calls == [] and len(abandoner.abandoned) == 1
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
 def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
     async def go():
         dispatcher, pool, legs, abandoner = make()
