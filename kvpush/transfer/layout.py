@@ -15,6 +15,7 @@ into (src, dst, len) byte ranges, merged wherever both sides are contiguous.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ class RegionSpec(msgspec.Struct, frozen=True):
     block_stride_bytes: int
 
 
-class KVLayout(msgspec.Struct, frozen=True):
+class KVLayout(msgspec.Struct, frozen=True, cache_hash=True):
     regions: tuple[RegionSpec, ...]
     num_blocks: int
     block_size: int  # tokens per block
@@ -82,8 +83,7 @@ class KVLayout(msgspec.Struct, frozen=True):
     @property
     def one_stride(self) -> bool:
         """Whether every region has the same block stride (vLLM's layers do)."""
-        first = self.regions[0].block_stride_bytes
-        return all(r.block_stride_bytes == first for r in self.regions)
+        return _geometry(self).one_stride
 
     @property
     def tiles_blocks(self) -> bool:
@@ -91,12 +91,7 @@ class KVLayout(msgspec.Struct, frozen=True):
         base_0 + r * block_bytes, every stride regions * block_bytes): vLLM's block-outer
         ("cross-layer") cache layouts, BLHNC and BLNHC. A run of whole blocks is then one
         descriptor for all regions, not one per region."""
-        bb, first = self.block_bytes, self.regions[0].base_addr
-        stride = len(self.regions) * bb
-        return all(
-            r.block_stride_bytes == stride and r.base_addr == first + i * bb
-            for i, r in enumerate(self.regions)
-        )
+        return _geometry(self).tiles_blocks
 
     @property
     def region_num_bytes(self) -> int:
@@ -113,6 +108,33 @@ class KVLayout(msgspec.Struct, frozen=True):
             self.dim_major_parts,
             self.elem_bytes if self.dim_major_parts else 0,
         )
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What a push's plan reads of every region, worked out once per layout: a layout
+    lives as long as its engine (or its peer's handshake), and going over 128 regions in
+    Python for each push cost more than the plan's own arithmetic."""
+
+    bases: np.ndarray  # int64 per region, read-only
+    strides: np.ndarray
+    one_stride: bool
+    tiles_blocks: bool
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(layout: KVLayout) -> _Geometry:
+    bases = np.array([r.base_addr for r in layout.regions], dtype=np.int64)
+    strides = np.array([r.block_stride_bytes for r in layout.regions], dtype=np.int64)
+    bases.flags.writeable = strides.flags.writeable = False
+    tiled = len(bases) * layout.block_bytes
+    return _Geometry(
+        bases,
+        strides,
+        bool((strides == strides[0]).all()),
+        bool((strides == tiled).all())
+        and bool((bases == bases[0] + np.arange(len(bases)) * layout.block_bytes).all()),
+    )
 
 
 @dataclass(frozen=True)
@@ -187,9 +209,6 @@ def plan_regions(
             lay, regions=(RegionSpec(0, lay.regions[0].block_stride_bytes),)
         )
 
-    def bases(lay: KVLayout) -> np.ndarray:
-        return np.array([r.base_addr for r in lay.regions], dtype=np.int64)
-
     if len(src.regions) != len(dst.regions):
         raise ValueError(f"layouts cannot be copied: {src.shape_key()} vs {dst.shape_key()}")
     rows = plan_copies(
@@ -201,7 +220,7 @@ def plan_regions(
         end_token,
         heads,
     )
-    return RegionPlan(rows, bases(src), bases(dst))
+    return RegionPlan(rows, _geometry(src).bases, _geometry(dst).bases)
 
 
 def head_owner(head: int, tp_size: int, total_heads: int) -> int:
@@ -283,8 +302,7 @@ def plan_copies(
         end_token = padded_end(src, dst, end_token)
 
     num_regions = len(src.regions)
-    stride_s = np.array([r.block_stride_bytes for r in src.regions], dtype=np.int64)
-    stride_d = np.array([r.block_stride_bytes for r in dst.regions], dtype=np.int64)
+    stride_s, stride_d = _geometry(src).strides, _geometry(dst).strides
     if whole_blocks(src, dst, heads, start_token, end_token):
         # Fast path (equal layouts, every head, whole blocks; the usual push): one row per
         # block, merged into runs before the regions multiply them; where both sides tile
@@ -353,8 +371,7 @@ def plan_copies(
     rel_s, rel_d = off_s, off_d
 
     def addresses(layout: KVLayout, stride: np.ndarray, blocks: np.ndarray, rel: np.ndarray):
-        base = np.array([r.base_addr for r in layout.regions], dtype=np.int64)
-        start = base[:, None] + stride[:, None] * blocks[None, :]
+        start = _geometry(layout).bases[:, None] + stride[:, None] * blocks[None, :]
         return (start[:, :, None] + rel[None, :, :]).reshape(-1)
 
     s = addresses(src, stride_s, blk_s, rel_s)
@@ -394,8 +411,7 @@ def _every_region(
 ) -> CopyPlan:
     """Rows relative to a region's base (the same in every region, merged already),
     repeated at each region's base, region by region."""
-    base_s = np.array([r.base_addr for r in src.regions], dtype=np.int64)
-    base_d = np.array([r.base_addr for r in dst.regions], dtype=np.int64)
+    base_s, base_d = _geometry(src).bases, _geometry(dst).bases
     s = (base_s[:, None] + rel_s[None, :]).reshape(-1)
     d = (base_d[:, None] + rel_d[None, :]).reshape(-1)
     return CopyPlan(s, d, np.tile(n, len(src.regions)))
