@@ -94,6 +94,10 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
         if cmd == "add_remote":
             conn.send(agent.add_remote(args))
             continue
+        if cmd == "warm":
+            memory.warm()
+            conn.send(None)
+            continue
         op, remote, remote_layout, src_ids, dst_ids, num_tokens = args
         if op in ("GATHER", "SCATTER"):
             conn.send(
@@ -113,9 +117,9 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
             local_descs, remote_descs = plan.descs(0, 0)
         t_built = time.perf_counter()
         notif = b""
-        if op in ("WRITE", "WRITE_NOTIF"):
+        if op in ("WRITE", "WRITE_NOTIF", "WRITE_COLD"):
             t0 = t_built  # raw WRITE: descriptors are prepared ahead, not timed
-        if op == "WRITE_NOTIF":  # the push's notification, as big as a WrittenMsg
+        if op in ("WRITE_NOTIF", "WRITE_COLD"):  # the push's notification, as a WrittenMsg
             op, notif = "WRITE", b"n" * 48
         mem = layout.mem_type
         handle, state = agent.post(op, remote, local_descs, remote_descs, mem, mem, notif)
@@ -285,13 +289,21 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 for r in range(repeats + 1):  # the first run warms connections up
                     pushed = {name: _push(*sides, ids, tokens) for name, sides in pairs.items()}
                     out_p, blocked_s, out_d = pushed["push"]
-                    pull = raw_d.call("op", ("READ", raw_p_name, raw_p.layout, ids, ids, tokens))
-                    write = raw_p.call("op", ("WRITE", raw_d_name, raw_d.layout, ids, ids, tokens))
-                    write_notif = raw_p.call(
-                        "op", ("WRITE_NOTIF", raw_d_name, raw_d.layout, ids, ids, tokens)
-                    )
+                    raw = {}
+                    for op, side, far, far_layout in (
+                        ("READ", raw_d, raw_p_name, raw_p.layout),
+                        ("WRITE_COLD", raw_p, raw_d_name, raw_d.layout),
+                        ("WRITE", raw_p, raw_d_name, raw_d.layout),
+                        ("WRITE_NOTIF", raw_p, raw_d_name, raw_d.layout),
+                    ):
+                        if op == "WRITE_COLD" and spec.device == "cpu":
+                            continue
+                        if spec.device != "cpu" and op != "WRITE_COLD":
+                            side.call("warm", None)  # as the push: see Memory.warm
+                        raw[op] = side.call("op", (op, far, far_layout, ids, ids, tokens))
+                        assert raw[op]["ok"], (op, raw[op])
+                    pull, write, write_notif = raw["READ"], raw["WRITE"], raw["WRITE_NOTIF"]
                     marks = out_p.marks
-                    assert pull["ok"] and write["ok"] and write_notif["ok"]
                     sample = {
                         "push_ms": out_p.elapsed_s * 1e3,
                         "push_caller_blocked_ms": blocked_s * 1e3,
@@ -307,6 +319,10 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         "raw_write_ms": write["total_ms"],
                     }
                     if spec.device != "cpu":  # the candidates of issue 12
+                        # the WRITE with notification as the first GPU work in its process
+                        # after the other process's READ, not warmed: what one GPU shared
+                        # by two processes adds (Memory.warm)
+                        sample["raw_write_cold_ms"] = raw["WRITE_COLD"]["total_ms"]
                         sample["push_direct_ms"] = pushed["push_direct"][0].elapsed_s * 1e3
                         # hand-over on prefill -> decode counts the data landed (and, staged,
                         # scattered): what a request waits for, on one host's clock
@@ -369,14 +385,17 @@ def _free_port() -> int:
 
 
 def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> tuple:
-    """One push, decode registered first: (prefill's outcome, its caller's held seconds,
-    decode's outcome)."""
+    """One push, decode registered first, from warm CUDA contexts (Memory.warm):
+    (prefill's outcome, its caller's held seconds, decode's outcome)."""
     from kvpush.transfer.wire import TransferKey
 
     key = TransferKey(uuid.uuid4().hex)
     fd = decode.call("expect", key, address, ids, tokens)
     while prefill.call("gauges")["pending_match"] < 1:
         time.sleep(0.0005)
+    if prefill.spec.device != "cpu":
+        decode.call("warm")
+        prefill.call("warm")
     fp, blocked_s = prefill.call("timed", "push", key, ids, tokens)
     out_p, out_d = prefill.wait(fp), decode.wait(fd)
     assert out_p.ok and out_d.ok, (out_p, out_d)
@@ -385,6 +404,7 @@ def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> 
 
 def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, tokens: int) -> dict:
     """One sample of each issue-12 candidate for the same blocks as the push."""
+    raw_p.call("warm", None)
     prepped = raw_p.call("op", ("WRITE_PREPPED", raw_d_name, raw_d.layout, ids, ids, tokens))
     gather = raw_p.call("op", ("GATHER", None, raw_d.layout, ids, ids, tokens))
     scatter = raw_d.call("op", ("SCATTER", None, raw_p.layout, ids, ids, tokens))
