@@ -13,7 +13,10 @@ raw WRITE). Per grid point, medians of several repeats:
 - push_plan_ms / push_post_ms / push_complete_ms: the push's own parts, hand-over -> copy
   plan and descriptors built -> WRITE posted -> WRITE complete;
 - raw_write_ms: one WRITE of the same bytes with descriptors built beforehand;
-  raw_write_notif_ms: the same with a notification, as the push's WRITEs carry;
+  raw_write_notif_ms: the same with a notification, as the push's WRITEs carry, right after
+  it; with `--device cuda`, every timed push and raw op starts from a warm CUDA context
+  (harness.Memory.warm), and raw_write_cold_ms is a WRITE with a notification that is not
+  warmed, the first in its process after the other process's READ;
 - descs: descriptors posted; caller_blocked_ms: how long the caller's thread was held
   (push: enqueue only; pull: descriptor build and post);
 - d2d_copy_ms (CUDA only): one device-to-device copy of the same number of bytes on the one
