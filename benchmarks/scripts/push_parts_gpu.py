@@ -14,10 +14,8 @@ Run on a CUDA host: python benchmarks/scripts/push_parts_gpu.py OUT.json
 """
 
 import json
-import multiprocessing as mp
 import statistics
 import sys
-import time
 from dataclasses import replace
 
 REPEATS = 9
@@ -25,81 +23,18 @@ TOKENS = [1024, 4096, 16384]  # DRAM trial: 1024 only
 FAST_POLL_S = [0.0001, 0.00002]  # the default, and a finer step
 
 
-def _raw_child(conn, spec, seed, name):
-    from kvpush.transfer.agent import Agent
-    from kvpush.transfer.harness import Memory
-    from kvpush.transfer.layout import plan_copies
-
-    memory = Memory(spec, seed)
-    layout = spec.build(memory.addresses())
-    agent = Agent(name)
-    agent.register(layout)
-    conn.send((agent.metadata(), layout))
-    while True:
-        if not conn.poll(0.001):
-            agent.notifs()
-            continue
-        cmd, args = conn.recv()
-        if cmd == "close":
-            agent.close()
-            return
-        if cmd == "add_remote":
-            conn.send(agent.add_remote(args))
-        elif cmd == "warm":
-            memory.warm()
-            conn.send(None)
-        else:  # a WRITE in parts
-            remote, remote_layout, ids, tokens = args
-            nixl = agent._agent
-            t0 = time.perf_counter()
-            plan = plan_copies(layout, remote_layout, ids, ids, 0, tokens)
-            src, dst = plan.descs(0, 0)
-            t1 = time.perf_counter()
-            local = nixl.get_xfer_descs(src, layout.mem_type)
-            far = nixl.get_xfer_descs(dst, layout.mem_type)
-            t2 = time.perf_counter()
-            handle = nixl.initialize_xfer("WRITE", local, far, remote, b"n" * 48)
-            t3 = time.perf_counter()
-            state = nixl.transfer(handle)
-            t4 = time.perf_counter()
-            while state == "PROC":
-                state = nixl.check_xfer_state(handle)
-            t5 = time.perf_counter()
-            nixl.release_xfer_handle(handle)
-            conn.send(
-                {
-                    "ok": state == "DONE",
-                    "plan_ms": (t1 - t0) * 1e3,
-                    "descs_ms": (t2 - t1) * 1e3,
-                    "init_ms": (t3 - t2) * 1e3,
-                    "transfer_ms": (t4 - t3) * 1e3,
-                    "complete_ms": (t5 - t4) * 1e3,
-                    "total_ms": (t5 - t2) * 1e3,
-                }
-            )
-
-
 def main(out: str, device: str = "cuda") -> None:
-    from kvpush.bench.transfer import QWEN3_32B_TP8, _free_port, _push
+    from kvpush.bench.transfer import QWEN3_32B_TP8, RawSide, _free_port, _push
     from kvpush.transfer.endpoint import TransferConfig
     from kvpush.transfer.harness import Side
     from kvpush.transfer.receiver import PrefillAddress
     from kvpush.transfer.wire import Compat
 
-    ctx = mp.get_context("spawn")
     n_max = (max(TOKENS) if device != "cpu" else TOKENS[0]) // 16
     spec = replace(QWEN3_32B_TP8, num_blocks=n_max, device=device)
-    raws = []
-    for seed, name in ((1, "raw-p"), (2, "raw-d")):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_raw_child, args=(child, spec, seed, name), daemon=True)
-        proc.start()
-        raws.append((parent, proc, *parent.recv()))
-    (cp, _, meta_p, lay_p), (cd, _, meta_d, lay_d) = raws
-    cp.send(("add_remote", meta_d))
-    remote = cp.recv()
-    cd.send(("add_remote", meta_p))
-    cd.recv()
+    raw_p, raw_d = RawSide(spec, 1, "raw-p"), RawSide(spec, 2, "raw-d")
+    remote = raw_p.call("add_remote", raw_d.metadata)
+    raw_d.call("add_remote", raw_p.metadata)
     compat = Compat("push", "bench", "uint8", "bench")
     pairs = {}
     for step in FAST_POLL_S:
@@ -116,10 +51,8 @@ def main(out: str, device: str = "cuda") -> None:
             ids = list(range(tokens // 16))
             samples: dict[str, list[float]] = {}
             for r in range(REPEATS + 1):
-                cp.send(("warm", None))
-                cp.recv()
-                cp.send(("write", (remote, lay_d, ids, tokens)))
-                raw = cp.recv()
+                raw_p.call("warm", None)
+                raw = raw_p.call("op", ("WRITE_PARTS", remote, raw_d.layout, ids, ids, tokens))
                 assert raw["ok"], raw
                 got = {f"raw_{k}": v for k, v in raw.items() if k != "ok"}
                 for step, (p, d, address) in pairs.items():
@@ -140,9 +73,8 @@ def main(out: str, device: str = "cuda") -> None:
         for p, d, _ in pairs.values():
             p.close()
             d.close()
-        for conn, proc, *_ in raws:
-            conn.send(("close", None))
-            proc.join(timeout=10)
+        raw_p.close()
+        raw_d.close()
     with open(out, "w") as f:
         json.dump({"benchmark": "push_parts_gpu", "fast_poll_s": FAST_POLL_S, "rows": rows}, f)
 

@@ -107,6 +107,9 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
                 _staging_copy(op, memory, layout, remote_layout, src_ids, dst_ids, num_tokens)
             )
             continue
+        if op == "WRITE_PARTS":
+            conn.send(_write_parts(agent, remote, layout, remote_layout, src_ids, num_tokens))
+            continue
         if op == "WRITE_PREPPED":
             plan = plan_copies(layout, remote_layout, src_ids, dst_ids, 0, num_tokens)
             conn.send(_prepped_write(agent, remote, plan, layout.mem_type))
@@ -139,6 +142,33 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
                 "descs": plan.num_descs,
             }
         )
+
+
+def _write_parts(
+    agent: Any, remote: str, layout: Any, remote_layout: Any, ids: list, num_tokens: int
+) -> dict:
+    """A WRITE with a notification timed in parts, as a caller of NIXL does it: the copy plan
+    and descriptors, the two descriptor lists, initialize_xfer, transfer (the post), then
+    check_xfer_state in a tight loop until done. `total_ms` leaves the plan out."""
+    from kvpush.transfer.layout import plan_copies
+
+    nixl, mem = agent._agent, layout.mem_type  # the parts Agent.post does in one call
+    t0 = time.perf_counter()
+    src, dst = plan_copies(layout, remote_layout, ids, ids, 0, num_tokens).descs(0, 0)
+    t1 = time.perf_counter()
+    local, far = nixl.get_xfer_descs(src, mem), nixl.get_xfer_descs(dst, mem)
+    t2 = time.perf_counter()
+    handle = nixl.initialize_xfer("WRITE", local, far, remote, b"n" * 48)
+    t3 = time.perf_counter()
+    state = nixl.transfer(handle)
+    t4 = time.perf_counter()
+    while state == "PROC":
+        state = nixl.check_xfer_state(handle)
+    t5 = time.perf_counter()
+    nixl.release_xfer_handle(handle)
+    parts = {"plan": (t0, t1), "descs": (t1, t2), "init": (t2, t3), "transfer": (t3, t4)}
+    parts |= {"complete": (t4, t5), "total": (t1, t5)}
+    return {"ok": state == "DONE"} | {f"{k}_ms": (b - a) * 1e3 for k, (a, b) in parts.items()}
 
 
 def _prepped_write(agent: Any, remote: str, plan: Any, mem: str) -> dict:
