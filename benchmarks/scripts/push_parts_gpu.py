@@ -24,13 +24,14 @@ FAST_POLL_S = [0.0001, 0.00002]  # the default, and a finer step
 
 
 def main(out: str, device: str = "cuda") -> None:
-    from kvpush.bench.transfer import QWEN3_32B_TP8, RawSide, _free_port, _push
+    from kvpush.bench.transfer import QWEN3_32B_TP8, RawSide, _free_port, _push, push_parts_ms
     from kvpush.transfer.endpoint import TransferConfig
     from kvpush.transfer.harness import Side
     from kvpush.transfer.receiver import PrefillAddress
     from kvpush.transfer.wire import Compat
 
-    n_max = (max(TOKENS) if device != "cpu" else TOKENS[0]) // 16
+    tokens_run = TOKENS if device != "cpu" else TOKENS[:1]
+    n_max = max(tokens_run) // 16
     spec = replace(QWEN3_32B_TP8, num_blocks=n_max, device=device)
     raw_p, raw_d = RawSide(spec, 1, "raw-p"), RawSide(spec, 2, "raw-d")
     remote = raw_p.call("add_remote", raw_d.metadata)
@@ -47,7 +48,7 @@ def main(out: str, device: str = "cuda") -> None:
         )
     rows = []
     try:
-        for tokens in TOKENS if device != "cpu" else TOKENS[:1]:
+        for tokens in tokens_run:
             ids = list(range(tokens // 16))
             samples: dict[str, list[float]] = {}
             for r in range(REPEATS + 1):
@@ -57,11 +58,9 @@ def main(out: str, device: str = "cuda") -> None:
                 got = {f"raw_{k}": v for k, v in raw.items() if k != "ok"}
                 for step, (p, d, address) in pairs.items():
                     out_p, _, _ = _push(p, d, address, ids, tokens)
-                    m = out_p.marks
                     got[f"push_{step}_ms"] = out_p.elapsed_s * 1e3
-                    got[f"push_{step}_plan_ms"] = (m["planned"] - m["handed"]) * 1e3
-                    got[f"push_{step}_post_ms"] = (m["posted"] - m["planned"]) * 1e3
-                    got[f"push_{step}_complete_ms"] = (m["written"] - m["posted"]) * 1e3
+                    for part, ms in push_parts_ms(out_p.marks).items():
+                        got[f"push_{step}_{part}_ms"] = ms
                 if r:
                     for k, v in got.items():
                         samples.setdefault(k, []).append(v)

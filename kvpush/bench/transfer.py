@@ -322,16 +322,13 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 for r in range(repeats + 1):  # the first run warms connections up
                     pushed = {name: _push(*sides, ids, tokens) for name, sides in pairs.items()}
                     out_p, blocked_s, out_d = pushed["push"]
+                    cuda = spec.device != "cpu"
+                    writes = (["WRITE_COLD"] if cuda else []) + ["WRITE", "WRITE_NOTIF"]
+                    ops = [("READ", raw_d, raw_p_name, raw_p.layout)]
+                    ops += [(op, raw_p, raw_d_name, raw_d.layout) for op in writes]
                     raw = {}
-                    for op, side, far, far_layout in (
-                        ("READ", raw_d, raw_p_name, raw_p.layout),
-                        ("WRITE_COLD", raw_p, raw_d_name, raw_d.layout),
-                        ("WRITE", raw_p, raw_d_name, raw_d.layout),
-                        ("WRITE_NOTIF", raw_p, raw_d_name, raw_d.layout),
-                    ):
-                        if op == "WRITE_COLD" and spec.device == "cpu":
-                            continue
-                        if spec.device != "cpu" and op != "WRITE_COLD":
+                    for op, side, far, far_layout in ops:
+                        if cuda and op != "WRITE_COLD":
                             side.call("warm", None)  # as the push: see Memory.warm
                         raw[op] = side.call("op", (op, far, far_layout, ids, ids, tokens))
                         assert raw[op]["ok"], (op, raw[op])
@@ -341,11 +338,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         "push_ms": out_p.elapsed_s * 1e3,
                         "push_caller_blocked_ms": blocked_s * 1e3,
                         "push_1ms_step_ms": pushed["push_1ms_step"][0].elapsed_s * 1e3,
-                        # the push's own timeline (prefill's loop thread): hand-over -> copy
-                        # plan and descriptors built -> WRITE posted -> WRITE complete
-                        "push_plan_ms": (marks["planned"] - marks["handed"]) * 1e3,
-                        "push_post_ms": (marks["posted"] - marks["planned"]) * 1e3,
-                        "push_complete_ms": (marks["written"] - marks["posted"]) * 1e3,
+                        **{f"push_{k}_ms": v for k, v in push_parts_ms(marks).items()},
                         "raw_write_notif_ms": write_notif["total_ms"],
                         "pull_ms": pull["total_ms"],
                         "pull_caller_blocked_ms": pull["caller_blocked_ms"],
@@ -433,6 +426,14 @@ def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> 
     out_p, out_d = prefill.wait(fp), decode.wait(fd)
     assert out_p.ok and out_d.ok, (out_p, out_d)
     return out_p, blocked_s, out_d
+
+
+def push_parts_ms(marks: dict[str, float]) -> dict[str, float]:
+    """A push's own timeline on prefill's loop thread, ms: hand-over -> copy plan and
+    descriptors built ("plan") -> WRITE posted ("post") -> WRITE complete ("complete")."""
+    steps = {"plan": ("handed", "planned"), "post": ("planned", "posted")}
+    steps["complete"] = ("posted", "written")
+    return {k: (marks[b] - marks[a]) * 1e3 for k, (a, b) in steps.items()}
 
 
 def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, tokens: int) -> dict:
