@@ -6,8 +6,10 @@ timed operation from a warm CUDA context (Memory.warm).
 - raw: a NIXL WRITE with a notification, timed in the posting process in parts: the two
   descriptor lists (get_xfer_descs), initialize_xfer, transfer (the post), then spinning on
   check_xfer_state until DONE;
-- push at each fast poll step: kvpush's push through an endpoint pair whose loops poll every
-  FAST_POLL_S after a post, with the push's own marks (plan, post, complete).
+- push: kvpush's push through an endpoint pair (its loops poll every 0.1 ms after a post),
+  with the push's own marks (plan, post, complete), from the hand-over as today's push() and
+  "ahead": with the WRITE made ready first (PrefillEndpoint.prepare, as the connector does
+  while prefill computes the prompt's last tokens), so that push() only posts it.
 
 Run on a CUDA host: python benchmarks/scripts/push_parts_gpu.py OUT.json
 (a trial run on DRAM: ... OUT.json cpu)
@@ -20,7 +22,7 @@ from dataclasses import replace
 
 REPEATS = 9
 TOKENS = [1024, 4096, 16384]  # DRAM trial: 1024 only
-FAST_POLL_S = [0.0001, 0.00002]  # the default, and a finer step
+VARIANTS = {"push": False, "push_ahead": True}  # name: made ready first
 
 
 def main(out: str, device: str = "cuda") -> None:
@@ -37,15 +39,11 @@ def main(out: str, device: str = "cuda") -> None:
     remote = raw_p.call("add_remote", raw_d.metadata)
     raw_d.call("add_remote", raw_p.metadata)
     compat = Compat("push", "bench", "uint8", "bench")
-    pairs = {}
-    for step in FAST_POLL_S:
-        port = _free_port()
-        cfg = TransferConfig("bench-prefill", compat, side_channel_port=port, fast_poll_s=step)
-        pairs[step] = (
-            Side("prefill", cfg, spec, seed=1),
-            Side("decode", replace(cfg, engine_id="bench-decode", side_channel_port=0), spec),
-            PrefillAddress("127.0.0.1", port),
-        )
+    port = _free_port()
+    cfg = TransferConfig("bench-prefill", compat, side_channel_port=port)
+    p = Side("prefill", cfg, spec, seed=1)
+    d = Side("decode", replace(cfg, engine_id="bench-decode", side_channel_port=0), spec)
+    address = PrefillAddress("127.0.0.1", port)
     rows = []
     try:
         for tokens in tokens_run:
@@ -56,11 +54,11 @@ def main(out: str, device: str = "cuda") -> None:
                 raw = raw_p.call("op", ("WRITE_PARTS", remote, raw_d.layout, ids, ids, tokens))
                 assert raw["ok"], raw
                 got = {f"raw_{k}": v for k, v in raw.items() if k != "ok"}
-                for step, (p, d, address) in pairs.items():
-                    out_p, _, _ = _push(p, d, address, ids, tokens)
-                    got[f"push_{step}_ms"] = out_p.elapsed_s * 1e3
+                for name, ahead in VARIANTS.items():
+                    out_p, _, _ = _push(p, d, address, ids, tokens, ahead=ahead)
+                    got[f"{name}_ms"] = out_p.elapsed_s * 1e3
                     for part, ms in push_parts_ms(out_p.marks).items():
-                        got[f"push_{step}_{part}_ms"] = ms
+                        got[f"{name}_{part}_ms"] = ms
                 if r:
                     for k, v in got.items():
                         samples.setdefault(k, []).append(v)
@@ -69,13 +67,12 @@ def main(out: str, device: str = "cuda") -> None:
             rows.append(row)
             print(json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
     finally:
-        for p, d, _ in pairs.values():
-            p.close()
-            d.close()
+        p.close()
+        d.close()
         raw_p.close()
         raw_d.close()
     with open(out, "w") as f:
-        json.dump({"benchmark": "push_parts_gpu", "fast_poll_s": FAST_POLL_S, "rows": rows}, f)
+        json.dump({"benchmark": "push_parts_gpu", "variants": list(VARIANTS), "rows": rows}, f)
 
 
 if __name__ == "__main__":

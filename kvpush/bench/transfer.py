@@ -128,7 +128,8 @@ def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
         if op in ("WRITE_NOTIF", "WRITE_COLD"):  # the push's notification, as a WrittenMsg
             op, notif = "WRITE", b"n" * 48
         mem = layout.mem_type
-        handle, state = agent.post(op, remote, local_descs, remote_descs, mem, mem, notif)
+        handle = agent.initialize(op, remote, local_descs, remote_descs, mem, mem, notif)
+        state = agent.start(handle, notif)
         t_posted = time.perf_counter()
         while state == "PROC":
             state = agent.state(handle)
@@ -152,7 +153,7 @@ def _write_parts(
     check_xfer_state in a tight loop until done. `total_ms` leaves the plan out."""
     from kvpush.transfer.layout import plan_copies
 
-    nixl, mem = agent._agent, layout.mem_type  # the parts Agent.post does in one call
+    nixl, mem = agent._agent, layout.mem_type  # the parts Agent.initialize and Agent.start do
     t0 = time.perf_counter()
     src, dst = plan_copies(layout, remote_layout, ids, ids, 0, num_tokens).descs(0, 0)
     t1 = time.perf_counter()
@@ -321,6 +322,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                 runs: dict[str, list[float]] = {}
                 for r in range(repeats + 1):  # the first run warms connections up
                     pushed = {name: _push(*sides, ids, tokens) for name, sides in pairs.items()}
+                    pushed["push_ahead"] = _push(*pairs["push"], ids, tokens, ahead=True)
                     out_p, blocked_s, out_d = pushed["push"]
                     cuda = spec.device != "cpu"
                     writes = (["WRITE_COLD"] if cuda else []) + ["WRITE", "WRITE_NOTIF"]
@@ -339,6 +341,11 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         "push_caller_blocked_ms": blocked_s * 1e3,
                         "push_1ms_step_ms": pushed["push_1ms_step"][0].elapsed_s * 1e3,
                         **{f"push_{k}_ms": v for k, v in push_parts_ms(marks).items()},
+                        "push_ahead_ms": pushed["push_ahead"][0].elapsed_s * 1e3,
+                        **{
+                            f"push_ahead_{k}_ms": v
+                            for k, v in push_parts_ms(pushed["push_ahead"][0].marks).items()
+                        },
                         "raw_write_notif_ms": write_notif["total_ms"],
                         "pull_ms": pull["total_ms"],
                         "pull_caller_blocked_ms": pull["caller_blocked_ms"],
@@ -352,7 +359,7 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
                         sample["push_direct_ms"] = pushed["push_direct"][0].elapsed_s * 1e3
                         # hand-over on prefill -> decode counts the data landed (and, staged,
                         # scattered): what a request waits for, on one host's clock
-                        for name in ("push", "push_direct"):
+                        for name in ("push", "push_direct", "push_ahead"):
                             p_out, _, d_out = pushed[name]
                             landed_s = d_out.marks["notified"] - p_out.marks["handed"]
                             sample[f"{name}_landed_ms"] = landed_s * 1e3
@@ -410,15 +417,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _push(prefill: Side, decode: Side, address: Any, ids: list, tokens: int) -> tuple:
+def _push(
+    prefill: Side, decode: Side, address: Any, ids: list, tokens: int, ahead: bool = False
+) -> tuple:
     """One push, decode registered first, from warm CUDA contexts (Memory.warm):
-    (prefill's outcome, its caller's held seconds, decode's outcome)."""
+    (prefill's outcome, its caller's held seconds, decode's outcome). `ahead`: prefill is
+    told the blocks first (PrefillEndpoint.prepare, as the connector does while the prompt's
+    last tokens are computed) and makes the WRITE ready before the push."""
     from kvpush.transfer.wire import TransferKey
 
     key = TransferKey(uuid.uuid4().hex)
     fd = decode.call("expect", key, address, ids, tokens)
     while prefill.call("gauges")["pending_match"] < 1:
         time.sleep(0.0005)
+    if ahead:
+        prefill.wait(prefill.call("prepare", key, ids, tokens))
     if prefill.spec.device != "cpu":
         decode.call("warm")
         prefill.call("warm")
@@ -453,7 +466,8 @@ def _candidates(raw_p: RawSide, raw_d: RawSide, raw_d_name: str, ids: list, toke
 
 
 HEADER = (
-    f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'1ms-step':>8} {'pull ms':>8} "
+    f"{'block':>7} {'blocks':>6} {'pattern':>10} {'push ms':>8} {'ahead ms':>8} {'1ms-step':>8} "
+    f"{'pull ms':>8} "
     f"{'raw ms':>8} "
     f"{'descs':>6} {'push blk ms':>11} {'pull blk ms':>11} {'GB/s':>6} {'d2d ms':>7}"
 )
@@ -463,7 +477,8 @@ def _print_row(r: dict) -> None:
     d2d = r.get("d2d_copy_ms_median")
     print(
         f"{r['block_bytes'] // KIB:>6}K {r['num_blocks']:>6} {r['pattern']:>10} "
-        f"{r['push_ms_median']:>8.2f} {r['push_1ms_step_ms_median']:>8.2f} "
+        f"{r['push_ms_median']:>8.2f} {r['push_ahead_ms_median']:>8.2f} "
+        f"{r['push_1ms_step_ms_median']:>8.2f} "
         f"{r['pull_ms_median']:>8.2f} {r['raw_write_ms_median']:>8.2f} "
         f"{r['push_descs']:>6} {r['push_caller_blocked_ms_median']:>11.3f} "
         f"{r['pull_caller_blocked_ms_median']:>11.3f} {r['push_gbps']:>6.2f} "

@@ -109,7 +109,15 @@ class ProxyMetrics:
         for name, seconds in phases.items():
             self._phases[name].observe(seconds)
         self.recent.append(
-            {"transfer_id": trace.transfer_id, "status": trace.status, "phases_s": phases}
+            {
+                "transfer_id": trace.transfer_id,
+                "status": trace.status,
+                "phases_s": phases,
+                # the events too, and when it arrived on this host's monotonic clock, so that
+                # a client on the same host can join its own times to the proxy's
+                "events_s": dict(trace.at),
+                "arrival_monotonic_s": trace.start,
+            }
         )
         trace.log()
 

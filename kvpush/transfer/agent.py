@@ -80,7 +80,7 @@ class Agent:
             except Exception as e:  # the peer may be gone already
                 log.debug("remove_remote_agent(%s): %s", name, e)
 
-    def post(
+    def initialize(
         self,
         op: str,
         remote: str,
@@ -89,14 +89,18 @@ class Agent:
         local_mem_type: str,
         remote_mem_type: str,
         notif: bytes = b"",
-    ) -> tuple[Any, str]:
-        """Post one WRITE or READ of Nx3 (addr, len, dev) arrays.
-
-        Returns (handle, "DONE" | "PROC" | "ERR"); release the handle when it is not PROC."""
+    ) -> Any:
+        """One WRITE or READ of Nx3 (addr, len, dev) arrays, made ready and not posted:
+        `start` posts it (once). Release the handle when it is no longer PROC, or when it is
+        never posted."""
         local = self._agent.get_xfer_descs(local_descs, local_mem_type)
         far = self._agent.get_xfer_descs(remote_descs, remote_mem_type)
-        handle = self._agent.initialize_xfer(op, local, far, remote, notif)
-        return handle, self._agent.transfer(handle)
+        return self._agent.initialize_xfer(op, local, far, remote, notif)
+
+    def start(self, handle: Any, notif: bytes) -> str:
+        """Post an initialized transfer with `notif` as its notification: "DONE" | "PROC" |
+        "ERR"."""
+        return self._agent.transfer(handle, notif)
 
     def prep(self, remote: str | None, descs: np.ndarray, mem_type: str) -> Any:
         """A prepared descriptor list of Nx3 (addr, len, dev): local with remote None, else

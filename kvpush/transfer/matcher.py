@@ -100,6 +100,11 @@ class Matcher:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def registrations(self, key: TransferKey) -> dict[str, RegisterMsg]:
+        """The registrations of `key` not written yet, by decode peer."""
+        p = self._pending.get(key)
+        return dict(p.regs) if p is not None else {}
+
     def peers_with_pending(self) -> set[str]:
         return {peer for p in self._pending.values() for peer in (*p.regs, *p.writing)}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,26 @@ class _Staged:
     end: int  # the token it stages up to (WrittenMsg.staged_end)
 
 
+@dataclass
+class _Ahead:
+    """A WRITE to one decode rank made ready before push() (see prepare()): its copy plan
+    and its NIXL transfer, initialized and not posted."""
+
+    reg: wire.RegisterMsg
+    plan: Any
+    handle: Any
+    ready_s: float  # time.monotonic() when it was made ready
+
+
+@dataclass
+class _Hint:
+    """prepare()'s blocks for a key whose push() has not come, and the WRITEs made ready."""
+
+    source: Source
+    since_s: float
+    ready: dict[str, _Ahead] = field(default_factory=dict)  # by decode peer address
+
+
 def _block_runs(block_ids: list[int], block_size: int, start: int, end: int) -> int:
     """Runs of consecutive block ids among the blocks covering tokens [start, end)."""
     ids = np.asarray(block_ids[start // block_size : -(-end // block_size)], dtype=np.int64)
@@ -78,9 +98,11 @@ class PrefillEndpoint(Endpoint):
         # Sources started from the scheduler's SOURCE whose push() has not come yet: the
         # future it will get, and when the source came (dropped after one lease).
         self._unclaimed: dict[wire.TransferKey, tuple[Future, float]] = {}
+        self._hints: dict[wire.TransferKey, _Hint] = {}  # from prepare(), until the release
         # WRITEs gathered through a staging slot, and WRITEs sent direct because this rank's
-        # staging area had no slot free or the gather failed
-        self.counters = {"staged": 0, "staging_full": 0, "staging_errors": 0}
+        # staging area had no slot free or the gather failed; WRITEs posted as prepare()
+        # made them ready
+        self.counters = {"staged": 0, "staging_full": 0, "staging_errors": 0, "ready_ahead": 0}
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -92,10 +114,18 @@ class PrefillEndpoint(Endpoint):
         source = Source(list(block_ids), num_tokens, first_token)
         return self._call(self._on_source, key, source)
 
+    def prepare(self, key: wire.TransferKey, block_ids: list[int], num_tokens: int) -> Future:
+        """A head start: `key`'s blocks are final (vLLM is computing its last prompt tokens).
+        The WRITE to each decode rank registered for it is made ready now (copy plan, NIXL
+        transfer), and to each that registers later, so that push() only posts it. Only ever
+        saves time: push() uses it only for the same blocks and the same registration.
+        Resolves once the loop thread has acted on it."""
+        return self._call(self._on_prepare, key, Source(list(block_ids), num_tokens))
+
     def abort(self, key: wire.TransferKey, failure: wire.Failure) -> Future:
         """The prefill request failed or was aborted: tell decode, hold nothing. Resolves
         once the loop thread has acted on it (and refreshed the gauges)."""
-        return self._call(self._apply_all, self._matcher.abort, key, failure)
+        return self._call(self._on_abort, key, failure)
 
     # -- loop thread --------------------------------------------------------------------
     def _on_source(self, key: wire.TransferKey, source: Source, sourced: bool = False) -> Future:
@@ -114,8 +144,64 @@ class PrefillEndpoint(Endpoint):
         self._apply(self._matcher.source_ready(key, source))
         return future
 
-    def _apply_all(self, fn: Any, *args: Any) -> None:
-        self._apply(fn(*args))
+    def _on_prepare(self, key: wire.TransferKey, source: Source) -> None:
+        if key in self._futures or self._matcher.ended(key):
+            return  # push() came first, or the transfer has ended
+        self._drop_hint(key)  # the request was scheduled again (preempted): the new blocks
+        self._hints[key] = _Hint(source, time.monotonic())
+        for peer, reg in self._matcher.registrations(key).items():
+            self._ready_ahead(key, peer, reg)
+
+    def _ready_ahead(self, key: wire.TransferKey, address: str, reg: wire.RegisterMsg) -> None:
+        """Make the direct WRITE of `key` to `address` ready from prepare()'s blocks. A push
+        that staging would gather is left to push(): the gather copies what prefill
+        computed. Any error is left to push() too, which plans again and reports it."""
+        hint, peer = self._hints.get(key), self._peers.get(address)
+        if hint is None or peer is None or key in self._futures:
+            return
+        self._forget_ready(key, address)
+        try:
+            heads = self._heads(reg, hint.source)
+            if self._wants_staging(reg, hint.source, peer, heads):
+                return
+            plan, src, dst = self._direct(reg, hint.source, peer, heads)
+            lay = self.layout
+            handle = self.agent.initialize(
+                "WRITE", peer.agent_name, src, dst, lay.mem_type, peer.layout.mem_type
+            )
+        except Exception as e:
+            log.debug("prefill: no WRITE made ready ahead for %s: %s", key, e)
+            return
+        hint.ready[address] = _Ahead(reg, plan, handle, time.monotonic())
+
+    def _take_ahead(self, w: Write) -> _Ahead | None:
+        """The WRITE prepare() made ready for `w`, if it is for the same blocks and
+        registration (else it is released, and `w` is planned afresh)."""
+        hint = self._hints.get(w.key)
+        ahead = hint.ready.pop(w.peer, None) if hint is not None else None
+        if ahead is None:
+            return None
+        assert hint is not None
+        if ahead.reg == w.reg and hint.source.block_ids == w.source.block_ids:
+            return ahead
+        self.agent.release(ahead.handle)
+        return None
+
+    def _forget_ready(self, key: wire.TransferKey, address: str) -> None:
+        hint = self._hints.get(key)
+        ahead = hint.ready.pop(address, None) if hint is not None else None
+        if ahead is not None:
+            self.agent.release(ahead.handle)
+
+    def _drop_hint(self, key: wire.TransferKey) -> None:
+        hint = self._hints.pop(key, None)
+        for ahead in hint.ready.values() if hint is not None else ():
+            self.agent.release(ahead.handle)
+
+    def _on_abort(self, key: wire.TransferKey, failure: wire.Failure) -> None:
+        self._apply(self._matcher.abort(key, failure))
+        if self._matcher.ended(key):
+            self._drop_hint(key)
 
     def _receive(self, env: wire.Envelope) -> None:
         link = self._link_for(env)
@@ -125,6 +211,7 @@ class PrefillEndpoint(Endpoint):
         elif isinstance(msg, wire.HeartbeatMsg):
             pass
         elif isinstance(msg, wire.CancelMsg):  # needs no handshake: it only frees
+            self._forget_ready(msg.key, peer)
             self._apply(self._matcher.cancel(peer, msg.key))
         elif peer not in self._peers or link.peer is None:
             key = getattr(msg, "key", None)
@@ -133,6 +220,8 @@ class PrefillEndpoint(Endpoint):
                 self._send(link, wire.FailMsg(key, wire.Failure("handshake", reason)))
         elif isinstance(msg, wire.RegisterMsg):
             self._apply(self._matcher.register(peer, msg))
+            if msg.key in self._hints and peer in self._matcher.registrations(msg.key):
+                self._ready_ahead(msg.key, peer, msg)  # prepare() came first
         else:
             log.warning("prefill: unexpected %s from %s", type(msg).__name__, peer)
 
@@ -154,7 +243,7 @@ class PrefillEndpoint(Endpoint):
             return
         log.debug("prefill: transfer %s abandoned by the router: %s", msg.key, msg.reason)
         abandoned = wire.Failure("abandoned", f"abandoned by the router: {msg.reason}")
-        self._apply(self._matcher.abort(msg.key, abandoned))
+        self._on_abort(msg.key, abandoned)
 
     def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
         error = None
@@ -174,6 +263,8 @@ class PrefillEndpoint(Endpoint):
         if error is None:
             old = self._peers.pop(link.address, None)
             if old is not None:
+                for key in list(self._hints):  # made ready for the old agent
+                    self._forget_ready(key, link.address)
                 self.agent.remove_remote(old.agent_name)
             # The same decode rank under a new address: the old one is stale.
             for address, peer in list(self._peers.items()):
@@ -200,6 +291,8 @@ class PrefillEndpoint(Endpoint):
                 self._reply(action)
             elif isinstance(action, Release):
                 self._release(action)
+            if action.key in self._hints and self._matcher.ended(action.key):
+                self._drop_hint(action.key)  # ended before its push() (abort, cancel)
 
     def _reply(self, r: Reply) -> None:
         assert self.channel is not None
@@ -213,6 +306,7 @@ class PrefillEndpoint(Endpoint):
             self._send(link, wire.DoneMsg(r.key))
 
     def _release(self, r: Release) -> None:
+        self._drop_hint(r.key)
         started = self._started.pop(r.key, time.monotonic())
         num_bytes, num_descs = self._stats.pop(r.key, (0, 0))
         future = self._futures.pop(r.key, None)
@@ -230,42 +324,34 @@ class PrefillEndpoint(Endpoint):
 
     def _post(self, w: Write) -> None:
         peer = self._peers.get(w.peer)
-        staged = None
+        ahead = self._take_ahead(w)
+        staged, handle = None, (ahead.handle if ahead is not None else None)
         try:
             if peer is None:
                 raise RuntimeError(f"decode peer {w.peer} is gone")
-            reg = w.reg
-            heads = range(*reg.heads)
-            mine = range(self.layout.first_head, self.layout.first_head + self.layout.num_heads)
-            if heads.start < mine.start or heads.stop > mine.stop:
-                raise ValueError(f"registered heads {heads} are not held by this rank ({mine})")
-            if reg.num_tokens > w.source.num_tokens:
-                raise ValueError(
-                    f"decode expects {reg.num_tokens} tokens, prefill has {w.source.num_tokens}"
+            heads = self._heads(w.reg, w.source)
+            if ahead is not None:  # made ready by prepare(): only the post is left
+                plan, num_descs, staged_end = ahead.plan, ahead.plan.num_descs, 0
+                self.counters["ready_ahead"] += 1
+                if w.key in self._marks:
+                    self._marks[w.key].setdefault("readied", ahead.ready_s)
+            else:
+                staged = self._stage(w, peer, heads)
+                if staged is None:  # direct: one descriptor per contiguous run of both sides
+                    plan, src, dst = self._direct(w.reg, w.source, peer, heads)
+                    num_descs, staged_end = plan.num_descs, 0
+                else:  # the gathered slot, one descriptor, into decode's slot
+                    plan, staged_end = staged.plan, staged.end
+                    src = np.array([[staged.addr, staged.size, self.layout.dev_id]], np.uint64)
+                    far = [[w.reg.staging_addr, staged.size, peer.layout.dev_id]]
+                    dst = np.array(far, dtype=np.uint64)
+                    num_descs = 1
+                handle = self.agent.initialize(
+                    "WRITE", peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type
                 )
-            staged = self._stage(w, peer, heads)
-            if staged is None:  # direct: one descriptor per contiguous run of both sides
-                plan = plan_copies(
-                    self.layout,
-                    peer.layout,
-                    w.source.block_ids,
-                    reg.block_ids,
-                    reg.num_cached_tokens,
-                    reg.num_tokens,
-                    heads,
-                    pad_tail=True,
-                )
-                src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
-                num_descs, staged_end = plan.num_descs, 0
-            else:  # the gathered slot, one descriptor, into decode's slot
-                plan, staged_end = staged.plan, staged.end
-                src = np.array([[staged.addr, staged.size, self.layout.dev_id]], dtype=np.uint64)
-                far = [[reg.staging_addr, staged.size, peer.layout.dev_id]]
-                dst = np.array(far, dtype=np.uint64)
-                num_descs = 1
             if w.key in self._marks:
                 self._marks[w.key].setdefault("planned", time.monotonic())
-            sent = b""
+            reg, sent = w.reg, b""
             if self.config.debug_checksum:
                 sent = digest(
                     self.layout, w.source.block_ids, reg.num_cached_tokens, reg.num_tokens, heads
@@ -273,17 +359,10 @@ class PrefillEndpoint(Endpoint):
             written = wire.WrittenMsg(
                 w.key, self.config.rank, sent, w.source.first_token, staged_end
             )
-            notif = wire.encode(written)
-            handle, state = self.agent.post(
-                "WRITE",
-                peer.agent_name,
-                src,
-                dst,
-                self.layout.mem_type,
-                peer.layout.mem_type,
-                notif,
-            )
+            state = self.agent.start(handle, wire.encode(written))
         except Exception as e:
+            if handle is not None:
+                self.agent.release(handle)
             if staged is not None:
                 self._unstage(staged.addr)
             failure = wire.Failure("write", f"WRITE not posted: {e}")
@@ -305,22 +384,60 @@ class PrefillEndpoint(Endpoint):
         if state == "ERR":
             self._finish_write(w.key, w.peer, "ERR")
 
-    def _stage(self, w: Write, peer: _DecodePeer, heads: range) -> _Staged | None:
-        """Gather the push into a slot of this rank's staging area (staging.py) when decode
-        offered a slot and the direct plan would post at least staging_min_descs
-        descriptors, and return it gathered. None: go direct (no staging here or there, few
-        descriptors, no slot free, or the gather failed)."""
-        reg = w.reg
+    def _heads(self, reg: wire.RegisterMsg, source: Source) -> range:
+        """The heads `reg` asks of this rank; raises when this rank cannot write them."""
+        heads = range(*reg.heads)
+        mine = range(self.layout.first_head, self.layout.first_head + self.layout.num_heads)
+        if heads.start < mine.start or heads.stop > mine.stop:
+            raise ValueError(f"registered heads {heads} are not held by this rank ({mine})")
+        if reg.num_tokens > source.num_tokens:
+            raise ValueError(
+                f"decode expects {reg.num_tokens} tokens, prefill has {source.num_tokens}"
+            )
+        return heads
+
+    def _direct(
+        self, reg: wire.RegisterMsg, source: Source, peer: _DecodePeer, heads: range
+    ) -> tuple[Any, np.ndarray, np.ndarray]:
+        """The copy plan of a direct WRITE and its descriptors (prefill's, decode's)."""
+        plan = plan_copies(
+            self.layout,
+            peer.layout,
+            source.block_ids,
+            reg.block_ids,
+            reg.num_cached_tokens,
+            reg.num_tokens,
+            heads,
+            pad_tail=True,
+        )
+        src, dst = plan.descs(self.layout.dev_id, peer.layout.dev_id)
+        return plan, src, dst
+
+    def _wants_staging(
+        self, reg: wire.RegisterMsg, source: Source, peer: _DecodePeer, heads: range
+    ) -> bool:
+        """Whether a push goes through a staging slot when one is free: decode offered a
+        slot, this rank has a staging area, and the direct plan would post at least
+        staging_min_descs descriptors."""
         if not reg.staging_addr or self.staging is None or self.copier is None:
-            return None
+            return False
         start, end = reg.num_cached_tokens, padded_end(self.layout, peer.layout, reg.num_tokens)
         runs = max(
-            _block_runs(w.source.block_ids, self.layout.block_size, start, end),
+            _block_runs(source.block_ids, self.layout.block_size, start, end),
             _block_runs(reg.block_ids, peer.layout.block_size, start, end),
         )
         per_run = descs_per_run(self.layout, peer.layout, heads, start, end)
-        if runs * per_run < self.config.staging_min_descs:
+        return runs * per_run >= self.config.staging_min_descs
+
+    def _stage(self, w: Write, peer: _DecodePeer, heads: range) -> _Staged | None:
+        """Gather the push into a slot of this rank's staging area (staging.py) when it
+        wants staging (above), and return it gathered. None: go direct (no staging here or
+        there, few descriptors, no slot free, or the gather failed)."""
+        reg = w.reg
+        if not self._wants_staging(reg, w.source, peer, heads):
             return None
+        assert self.staging is not None and self.copier is not None
+        start, end = reg.num_cached_tokens, padded_end(self.layout, peer.layout, reg.num_tokens)
         size = slot_size(peer.layout, heads, start, reg.num_tokens)
         if size > reg.staging_bytes:
             raise ValueError(f"decode's staging slot holds {reg.staging_bytes} B, need {size}")
@@ -368,6 +485,8 @@ class PrefillEndpoint(Endpoint):
         for key, peer in list(self._in_flight):
             if peer == address:
                 self._drop_flight(key, peer)
+        for key in list(self._hints):
+            self._forget_ready(key, address)
         peer_state = self._peers.pop(address, None)
         if peer_state is not None:
             self.agent.remove_remote(peer_state.agent_name)
@@ -379,7 +498,7 @@ class PrefillEndpoint(Endpoint):
     def _poll_timeout_ms(self) -> int | None:
         if self._in_flight:
             return BUSY_POLL_MS
-        if self._matcher.has_pending() or self._unclaimed:
+        if self._matcher.has_pending() or self._unclaimed or self._hints:
             return LEASE_POLL_MS
         expiry_s = self._matcher.next_record_expiry_s()
         if expiry_s is None:
@@ -392,6 +511,9 @@ class PrefillEndpoint(Endpoint):
             if now_s - since_s > self.config.lease_s:  # its push() never came
                 log.warning("prefill: no push() for %s within the lease after its SOURCE", key)
                 del self._unclaimed[key]
+        for key, hint in list(self._hints.items()):  # prepared, and its push() never came
+            if key not in self._futures and now_s - hint.since_s > self.config.lease_s:
+                self._drop_hint(key)
         super()._tick(now_s)
 
     def _pending_addresses(self) -> set[str]:
@@ -403,6 +525,7 @@ class PrefillEndpoint(Endpoint):
             "in_flight": len(self._in_flight),
             "held_sources": len(self._futures),
             "unclaimed_sources": len(self._unclaimed),
+            "prepared": len(self._hints),
             "cancel_records": self._matcher.num_records,
             "peers": len(self._peers),
             "staging_held_bytes": self.staging.held_bytes if self.staging else 0,
@@ -413,3 +536,5 @@ class PrefillEndpoint(Endpoint):
             self._drop_flight(key, peer)
         for key in list(self._futures):
             self._release(Release(key, wire.Failure("other", "prefill endpoint closed")))
+        for key in list(self._hints):
+            self._drop_hint(key)

@@ -34,6 +34,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
     early_source: bool | Literal["auto"] = "auto"
+    prepare_ahead: bool = True
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = DEFAULT_IDLE_WAIT_S
     staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
     staging_min_descs: Annotated[int, msgspec.Meta(ge=1)] = 512
@@ -63,6 +64,10 @@ class ConnectorConfig:
     # "auto" (ExtraConfig): on unless the engine may run on one CPU only, where the push's
     # work then delays the API server's answer (docs/benchmarks.md, "Early SOURCE")
     early_source: bool = True
+    # prefill: when vLLM schedules a request's last prompt tokens, the workers make its
+    # push's WRITE to each registered decode rank ready (copy plan, NIXL transfer) while the
+    # engine computes them, so that the push only posts it (PrefillEndpoint.prepare)
+    prepare_ahead: bool = True
     # a step that schedules no tokens, while this worker has a transfer in flight: the
     # worker waits (in wait_for_save) until one completes, at most this long, instead of
     # returning at once to an engine loop that would step again at once; 0: no wait.

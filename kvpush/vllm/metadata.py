@@ -23,6 +23,16 @@ class Push:
 
 
 @dataclass(frozen=True)
+class Prepare:
+    """Prefill: this step computes the request's last prompt tokens, in these blocks: make
+    its push's WRITEs ready meanwhile (a head start; the Push still comes)."""
+
+    key: TransferKey
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class Abort:
     """Prefill: the request failed or was aborted; tell decode, hold nothing."""
 
@@ -60,7 +70,7 @@ class Refuse:
     failure: Failure
 
 
-Action = Push | Abort | Expect | Cancel | Refuse
+Action = Push | Prepare | Abort | Expect | Cancel | Refuse
 
 
 @dataclass

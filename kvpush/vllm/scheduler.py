@@ -40,6 +40,7 @@ class PushScheduler:
     def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
         self.config = config
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._block_size = vllm_config.cache_config.block_size
         self._actions: list[m.Action] = []
         self._sending: set[str] = set()  # prefill: pushes the workers have not finished
         self._loading: dict[str, m.Expect | None] = {}  # decode: waiting for finished_recving
@@ -79,6 +80,9 @@ class PushScheduler:
         return need, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        if self.config.is_prefill:
+            self._prepare(request, blocks)
+            return
         rid = request.request_id
         if num_external == 0 or rid in self._loading:
             return
@@ -273,6 +277,20 @@ class PushScheduler:
             "remote_port": self.config.side_channel_port,
             "tp_size": self._tp_size,
         }
+
+    def _prepare(self, request: Any, blocks: Any) -> None:
+        """A prefill leg scheduled with blocks for its whole prompt (this step computes its
+        last prompt tokens): the workers make its WRITEs ready while the engine computes
+        (`prepare_ahead`). A prompt prefilled in chunks gets its later blocks without a
+        hook, so it is planned at the push, as without this."""
+        params = _params_or_none(request)
+        if not self.config.prepare_ahead or params is None or params.leg != "prefill":
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        if len(block_ids) * self._block_size < request.num_prompt_tokens:
+            return
+        key = params.key(request.request_id)
+        self._actions.append(m.Prepare(key, block_ids, request.num_prompt_tokens))
 
     def _announce(self, push: m.Push) -> None:
         """SOURCE to this engine's ranks now; never raises (the worker's Push still comes)."""

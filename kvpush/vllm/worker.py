@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # vLLM finished the request -> the writer has it -> first WRITE posted (this includes waiting
 # for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending;
 # "next_step" is the part of handover until the worker got the push (the next engine step);
-# "head_start" how long before that the scheduler's SOURCE had started it (only then).
+# "head_start" how long before that the scheduler's SOURCE had started it (only then);
+# "ready_ahead" how long before the hand-over its WRITE was made ready (prepare_ahead).
 # Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
 # finished receiving; "land" is the part of wait_writes after prefill announced its first
 # WRITE (POSTED); "scatter" the part after a staged WRITE landed in its slot (staging.py).
@@ -36,6 +37,7 @@ PHASES = {
     "handover": ("finished", "handed"),
     "next_step": ("finished", "started"),
     "head_start": ("sourced", "started"),
+    "ready_ahead": ("readied", "handed"),
     "pair_and_post": ("handed", "posted"),
     "write": ("posted", "written"),
     "release": ("written", "reported"),
@@ -134,6 +136,8 @@ class PushWorker:
                 self._start(action)
             except Exception as e:  # never raise into the engine: fail this request alone
                 log.warning("kvpush: %s failed: %s", action, e)
+                if isinstance(action, m.Prepare):  # only a head start: the push plans anew
+                    continue
                 req_id = getattr(action, "req_id", None)
                 if isinstance(action, m.Push):  # vLLM frees its blocks once it is "sent"
                     self._unsent.add(action.req_id)
@@ -150,6 +154,8 @@ class PushWorker:
             marks = {"finished": a.finished_s, "started": time.monotonic()}
             self._timeline[a.req_id] = (a.key.transfer_id, marks)
             self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens, a.first_token)
+        elif isinstance(a, m.Prepare):
+            ep.prepare(a.key, a.block_ids, a.num_tokens)
         elif isinstance(a, m.Abort):
             self._settling.append(ep.abort(a.key, a.failure))
         elif isinstance(a, m.Expect):

@@ -63,3 +63,32 @@ def test_full_hit_frees_prefill_at_once(rpair, mono_url):
     assert got == want
     took = wait_idle(rpair.prefill_url, rpair.decode_url, timeout_s=2)
     assert took < 2.0
+
+
+def test_a_push_posts_the_write_made_ready_while_prefill_computed(rpair, mono_url):
+    """Decode registers first (prefill's leg is sent 0.2 s later), so when prefill's
+    scheduler schedules the whole prompt (prepare_ahead) the worker's endpoint makes the
+    WRITE ready while the engine computes, and the push only posts it: every one of these
+    pushes records the phase "ready_ahead". The answers are a plain engine's."""
+
+    def readied() -> float:
+        samples = metric_samples(rpair.prefill_url).items()
+        name, phase = "kvpush:phase_seconds_count{", 'phase="ready_ahead"'
+        return sum(v for k, v in samples if k.startswith(name) and phase in k)
+
+    before = readied()
+
+    async def go():
+        async with session() as c:
+            for i in range(3):
+                prompt = tokens(300, 70 + i)
+                want = await plain(c, mono_url, prompt, 8)
+                got = await disagg(c, rpair, prompt, 8, delay_prefill_s=0.2)
+                assert text_of(got) == text_of(want)
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 5  # the engines' stats reach /metrics with a later step
+    while readied() < before + 3:
+        assert time.monotonic() < deadline, f"{readied() - before} of 3 pushes made ready ahead"
+        time.sleep(0.1)
+    wait_idle(rpair.prefill_url, rpair.decode_url, timeout_s=2)

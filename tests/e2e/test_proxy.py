@@ -13,7 +13,7 @@ import pytest
 
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
-from kvpush.proxy.timeline import PHASES
+from kvpush.proxy.timeline import EVENTS, PHASES
 from tests.e2e.client import (
     abort_after,
     body,
@@ -106,8 +106,14 @@ def test_each_request_records_its_timeline_in_order_and_the_phases_add_up(proxy_
             async with c.get(url + "/timelines") as r:
                 return (await r.json())["timelines"][-1]
 
+    sent = time.monotonic()
     timeline = asyncio.run(go())
     phases = timeline["phases_s"]
+    # the events too, and the arrival on this host's monotonic clock, for a client to join
+    assert sent < timeline["arrival_monotonic_s"] < time.monotonic()
+    assert (
+        set(timeline["events_s"]) == {"arrival", *EVENTS} and timeline["events_s"]["arrival"] == 0
+    )
     assert timeline["status"] == "ok" and len(timeline["transfer_id"]) == 32
     assert set(phases) == set(PHASES)  # every phase of the timeline
     assert phases["prefill"] > 0 and phases["stream"] > 0  # 16 tokens take decode steps

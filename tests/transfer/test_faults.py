@@ -96,7 +96,9 @@ def test_killed_decode_frees_prefill_blocks_within_6s(sides):
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 0, 1, "registration dropped")
 
 
-def test_killed_decode_registration_is_dropped_by_liveness(sides):
+@pytest.mark.parametrize("prepared", [False, True])
+def test_killed_decode_registration_is_dropped_by_liveness(sides, prepared):
+    """Also when prefill had made the WRITE to it ready (prepare): released with it."""
     port = free_port()
     prefill = sides("prefill", prefill_config(port, lease_s=60.0))
     decode = sides("decode", decode_config())
@@ -110,10 +112,14 @@ def test_killed_decode_registration_is_dropped_by_liveness(sides):
     key = new_key()
     decode.call("expect", key, address, [1, 2], 32)
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    if prepared:
+        prefill.wait(prefill.call("prepare", key, [3, 4], 32))
+        assert prefill.call("gauges")["prepared"] == 1
     decode.kill()
     killed = time.monotonic()
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 0, 6, "prefill drops the dead peer")
     assert time.monotonic() - killed < 6.0
+    assert prefill.call("gauges")["prepared"] == 0
 
 
 def test_restarted_decode_and_prefill_rehandshake(sides):

@@ -60,7 +60,7 @@ def cuda_pair(tmp_path_factory):
     decode.close()
 
 
-@pytest.mark.parametrize("order", ["register", "prefill-first"])
+@pytest.mark.parametrize("order", ["register", "prefill-first", "prepared"])
 def test_cuda_regions_register_and_writes_land_byte_exact(cuda_pair, order):
     prefill, decode, address, _ = cuda_pair
     out = push(prefill, decode, address, [1, 2, 3, 4], [10, 11, 12, 13], 64, order=order)

@@ -27,13 +27,18 @@ def new_key(sub: int = 0) -> TransferKey:
 
 
 def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order="register"):
-    """Run one transfer and check every byte of decode's memory afterwards."""
+    """Run one transfer and check every byte of decode's memory afterwards. `order`:
+    "register" (decode registers first), "prefill-first", or "prepared" (decode registers,
+    then prefill makes the WRITE ready (prepare) before its push posts it)."""
     src = prefill.call("regions")
     before = decode.call("regions")
     key = new_key()
-    if order == "register":
+    if order in ("register", "prepared"):
         fd = decode.call("expect", key, address, dst_ids, num_tokens, cached)
         time.sleep(0.3)
+        if order == "prepared":
+            ready = prefill.call("counters")["ready_ahead"]
+            prefill.wait(prefill.call("prepare", key, src_ids, num_tokens))
         fp = prefill.call("push", key, src_ids, num_tokens)
     else:
         fp = prefill.call("push", key, src_ids, num_tokens)
@@ -42,6 +47,8 @@ def push(prefill, decode, address, src_ids, dst_ids, num_tokens, cached=0, order
     out_d, out_p = decode.wait(fd), prefill.wait(fp)
     assert out_d.ok, out_d.reason
     assert out_p.ok, out_p.reason
+    if order == "prepared":
+        assert prefill.call("counters")["ready_ahead"] == ready + 1
     # the timeline's marks, on one host's clock; REGISTER is sent before prefill can post
     p, d = out_p.marks, out_d.marks
     assert p["handed"] <= p["posted"] <= p["written"], p
@@ -74,7 +81,7 @@ def test_prefill_announces_each_write_it_posts(pair):
     assert_idle(prefill, decode)
 
 
-@pytest.mark.parametrize("order", ["register", "prefill-first"])
+@pytest.mark.parametrize("order", ["register", "prefill-first", "prepared"])
 def test_both_arrival_orders_land_byte_exact(pair, order):
     prefill, decode, address = pair
     out = push(prefill, decode, address, [1, 2, 3, 4], [10, 11, 12, 13], 64, order=order)
@@ -235,12 +242,16 @@ def test_a_source_after_push_is_ignored(pair):
     assert_idle(prefill, decode)
 
 
-def test_cancel_then_late_write_lands_nothing(pair):
+@pytest.mark.parametrize("prepared", [False, True])
+def test_cancel_then_late_write_lands_nothing(pair, prepared):
+    """Also when prefill had made the WRITE ready (prepare): it is released, not posted."""
     prefill, decode, address = pair
     decode.call("reset")
     key = new_key()
     fd = decode.call("expect", key, address, [7, 8], 32)
     wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    if prepared:
+        prefill.wait(prefill.call("prepare", key, [1, 2], 32))
     released = decode.wait(decode.call("cancel", key), timeout_s=5)
     assert released.ok
     assert not decode.wait(fd).ok

@@ -30,14 +30,19 @@ DECODE_PARAMS = {
 
 
 def scheduler(
-    prefill: bool = False, debug_faults: bool = False, early_source: bool = False, port: int = 5600
+    prefill: bool = False,
+    debug_faults: bool = False,
+    early_source: bool = False,
+    port: int = 5600,
+    prepare_ahead: bool = False,
 ) -> PushScheduler:
     config = ConnectorConfig(
         "p0" if prefill else "d0", prefill, ("UCX",), "127.0.0.1", port, 30.0, 5.0, 1.0,
         False, debug_faults=debug_faults, early_source=early_source,
+        prepare_ahead=prepare_ahead,
     )  # fmt: skip
     return PushScheduler(config, SimpleNamespace(parallel_config=SimpleNamespace(
-        tensor_parallel_size=1)))  # fmt: skip
+        tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=16)))  # fmt: skip
 
 
 def request(params=None, status=RequestStatus.WAITING, rid="r1", output=()):
@@ -194,3 +199,45 @@ def test_a_finished_prefill_announces_its_source_to_its_own_ranks_at_once():
         s.close()
         listener.close()
         ctx.term()
+
+
+PREFILL_PARAMS = {"do_remote_decode": True, "transfer_id": "t7"}
+
+
+def test_a_prefill_leg_scheduled_with_its_whole_prompts_blocks_is_prepared():
+    s = scheduler(prefill=True, prepare_ahead=True)
+    s.update_state_after_alloc(request(PREFILL_PARAMS), blocks(*range(7)), 0)  # 7 x 16 >= 100
+    (prepare,) = actions(s)
+    assert prepare == m.Prepare(wire.TransferKey("t7"), list(range(7)), 100)
+    assert_nothing_held(s)  # only a head start: nothing waits on it
+
+
+@pytest.mark.parametrize(
+    "params, ids, on",
+    [
+        (PREFILL_PARAMS, range(6), True),  # 96 tokens of 100: prefilled in chunks
+        (PREFILL_PARAMS, range(7), False),  # prepare_ahead off
+        (None, range(7), True),  # no kv_transfer_params: no push
+        (DECODE_PARAMS, range(7), True),  # a decode leg on a prefill engine: no push
+    ],
+)
+def test_no_prepare_without_the_whole_prompt_or_a_push(params, ids, on):
+    s = scheduler(prefill=True, prepare_ahead=on)
+    s.update_state_after_alloc(request(params), blocks(*ids), 0)
+    assert actions(s) == []
+
+
+def test_a_prepare_that_fails_in_the_worker_fails_no_request():
+    class Broken:
+        def prepare(self, *args):
+            raise RuntimeError("endpoint closed")
+
+        def gauges(self):
+            return {}
+
+    worker = PushWorker(scheduler(prefill=True).config, None)
+    worker.endpoint = Broken()
+    worker.start([m.Prepare(wire.TransferKey("t7"), [1, 2], 20)])
+    assert worker.results() == (set(), set(), set())
+    stats = worker.take_stats()
+    assert stats is None or not stats.data["failures"], stats.data

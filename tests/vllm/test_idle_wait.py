@@ -23,7 +23,7 @@ def config(idle_wait_s: float, prefill: bool = True) -> ConnectorConfig:
 
 def test_a_step_that_schedules_no_tokens_is_marked_idle():
     s = PushScheduler(config(0.002), SimpleNamespace(parallel_config=SimpleNamespace(
-        tensor_parallel_size=1)))  # fmt: skip
+        tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=16)))  # fmt: skip
     assert s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0)).idle
     assert not s.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=7)).idle
 
