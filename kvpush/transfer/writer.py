@@ -491,6 +491,8 @@ class PrefillEndpoint(Endpoint):
         if peer_state is not None:
             self.agent.remove_remote(peer_state.agent_name)
         self._apply(self._matcher.peer_dead(address, failure))
+        for key in [k for k in self._hints if self._matcher.ended(k)]:
+            self._drop_hint(key)  # its only registration was this peer's
 
     def _busy(self) -> bool:
         return bool(self._in_flight)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -33,7 +32,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     debug_checksum: bool = False
     gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
-    early_source: bool | Literal["auto"] = "auto"
+    early_source: bool | Literal["auto"] = True
     prepare_ahead: bool = True
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = DEFAULT_IDLE_WAIT_S
     staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
@@ -61,8 +60,9 @@ class ConnectorConfig:
     fast_poll_s: float = DEFAULT_FAST_POLL_S
     # prefill: the scheduler sends SOURCE to its own ranks when vLLM finishes a request,
     # so the push starts without waiting for the next engine step (kvpush.vllm.scheduler).
-    # "auto" (ExtraConfig): on unless the engine may run on one CPU only, where the push's
-    # work then delays the API server's answer (docs/benchmarks.md, "Early SOURCE")
+    # On by default everywhere since 2026-12-05: on one-core engines it no longer delays the
+    # API server's answer (docs/benchmarks.md, "Made ready ahead on this host"). "auto", the
+    # default before (off on one-core engines), is still accepted and now means on
     early_source: bool = True
     # prefill: when vLLM schedules a request's last prompt tokens, the workers make its
     # push's WRITE to each registered decode rank ready (copy plan, NIXL transfer) while the
@@ -133,11 +133,6 @@ class ConnectorConfig:
         fields = msgspec.structs.asdict(extra) | {
             "backends": tuple(extra.backends),
             "side_channel_port": port,
-            "early_source": resolve_early_source(extra.early_source, os.sched_getaffinity(0)),
+            "early_source": extra.early_source in (True, "auto"),
         }
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
-
-
-def resolve_early_source(setting: bool | str, cpus: set[int]) -> bool:
-    """`early_source: "auto"` is on when this process may run on more than one CPU."""
-    return len(cpus) > 1 if setting == "auto" else bool(setting)

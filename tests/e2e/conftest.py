@@ -81,10 +81,10 @@ def as_pair(prefill: Engine, decode: Engine) -> Pair:
 @pytest.fixture(scope="session")
 def engines(tiny_model):
     """mono + the main pair, started together (about a minute on two cores). The main pair
-    starts each push from the scheduler's SOURCE (early_source, which "auto" turns off on
-    these one-core engines) and stages every push (gather, one WRITE, scatter: the path for
-    scattered blocks on VRAM, off by default on DRAM), so the tests that share it run those
-    paths; the other pairs run the defaults: the worker's push() alone, direct WRITEs."""
+    stages every push (gather, one WRITE, scatter: the path for scattered blocks on VRAM,
+    off by default on DRAM), so the tests that share it run that path; the other pairs run
+    the defaults, direct WRITEs. Every pair starts its pushes from the scheduler's SOURCE
+    (early_source, the default) but test_prefix's, which runs the worker's push() alone."""
     model = str(tiny_model)
     prefill, decode = pair_specs(
         model, 32, 64, early_source=True, staging_mib=16, staging_min_descs=1

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def rpair(tiny_model):
-    engines = start(*pair_specs(str(tiny_model), 64, 32))
+    # early_source off: every push here starts from the worker's push(), one engine step
+    # after vLLM finished the request (the other pairs start theirs from SOURCE)
+    engines = start(*pair_specs(str(tiny_model), 64, 32, early_source=False))
     yield as_pair(*engines)
     for e in engines:
         e.stop()

@@ -3,14 +3,13 @@ namespaces with the same attributes)."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 
 from kvpush.launch.engine import FIRST_TOKEN_PROCESSOR
 from kvpush.transfer.staging import resolve_staging_bytes
-from kvpush.vllm.config import ConnectorConfig, resolve_early_source
+from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.firsttoken import FQCN, FirstTokenProcessor
 
 
@@ -86,13 +85,11 @@ def test_staging_defaults_to_the_memory_kind_and_refuses_negative_sizes():
         ConnectorConfig.from_vllm(vllm_config(extra={"staging_min_descs": 0}))
 
 
-def test_early_source_is_auto_by_default_on_with_more_than_one_cpu():
-    assert resolve_early_source("auto", {0, 1}) and not resolve_early_source("auto", {3})
-    assert resolve_early_source(True, {0}) and not resolve_early_source(False, {0, 1})
-    cfg = ConnectorConfig.from_vllm(vllm_config(extra={"early_source": False}))
-    assert cfg.early_source is False
-    want = len(os.sched_getaffinity(0)) > 1
-    assert ConnectorConfig.from_vllm(vllm_config()).early_source is want
+@pytest.mark.parametrize(
+    "extra, on", [({}, True), ({"early_source": "auto"}, True), ({"early_source": False}, False)]
+)
+def test_early_source_is_on_by_default_and_auto_still_means_on(extra, on):
+    assert ConnectorConfig.from_vllm(vllm_config(extra=extra)).early_source is on
     with pytest.raises(ValueError, match="extra_config.early_source"):
         ConnectorConfig.from_vllm(vllm_config(extra={"early_source": "sometimes"}))
 
