@@ -125,7 +125,7 @@ class PrefillEndpoint(Endpoint):
     def abort(self, key: wire.TransferKey, failure: wire.Failure) -> Future:
         """The prefill request failed or was aborted: tell decode, hold nothing. Resolves
         once the loop thread has acted on it (and refreshed the gauges)."""
-        return self._call(self._on_abort, key, failure)
+        return self._call(self._apply_all, self._matcher.abort, key, failure)
 
     # -- loop thread --------------------------------------------------------------------
     def _on_source(self, key: wire.TransferKey, source: Source, sourced: bool = False) -> Future:
@@ -198,10 +198,8 @@ class PrefillEndpoint(Endpoint):
         for ahead in hint.ready.values() if hint is not None else ():
             self.agent.release(ahead.handle)
 
-    def _on_abort(self, key: wire.TransferKey, failure: wire.Failure) -> None:
-        self._apply(self._matcher.abort(key, failure))
-        if self._matcher.ended(key):
-            self._drop_hint(key)
+    def _apply_all(self, fn: Any, *args: Any) -> None:
+        self._apply(fn(*args))
 
     def _receive(self, env: wire.Envelope) -> None:
         link = self._link_for(env)
@@ -243,7 +241,7 @@ class PrefillEndpoint(Endpoint):
             return
         log.debug("prefill: transfer %s abandoned by the router: %s", msg.key, msg.reason)
         abandoned = wire.Failure("abandoned", f"abandoned by the router: {msg.reason}")
-        self._on_abort(msg.key, abandoned)
+        self._apply(self._matcher.abort(msg.key, abandoned))
 
     def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
         error = None
@@ -291,8 +289,10 @@ class PrefillEndpoint(Endpoint):
                 self._reply(action)
             elif isinstance(action, Release):
                 self._release(action)
-            if action.key in self._hints and self._matcher.ended(action.key):
-                self._drop_hint(action.key)  # ended before its push() (abort, cancel)
+        # every matcher event comes through here: a key that ended (written, failed,
+        # cancelled, aborted, its peer dead) holds nothing made ready for it any longer
+        for key in [k for k in self._hints if self._matcher.ended(k)]:
+            self._drop_hint(key)
 
     def _reply(self, r: Reply) -> None:
         assert self.channel is not None
@@ -306,7 +306,6 @@ class PrefillEndpoint(Endpoint):
             self._send(link, wire.DoneMsg(r.key))
 
     def _release(self, r: Release) -> None:
-        self._drop_hint(r.key)
         started = self._started.pop(r.key, time.monotonic())
         num_bytes, num_descs = self._stats.pop(r.key, (0, 0))
         future = self._futures.pop(r.key, None)
@@ -491,8 +490,6 @@ class PrefillEndpoint(Endpoint):
         if peer_state is not None:
             self.agent.remove_remote(peer_state.agent_name)
         self._apply(self._matcher.peer_dead(address, failure))
-        for key in [k for k in self._hints if self._matcher.ended(k)]:
-            self._drop_hint(key)  # its only registration was this peer's
 
     def _busy(self) -> bool:
         return bool(self._in_flight)
