@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ["torch", "vllm", "nixl", "nixl_cu13", "numpy", "transformers", "zmq"]
 
 
@@ -12,9 +14,10 @@ def run_py(code: str) -> str:
     ).stdout.strip()
 
 
-def test_help_lists_the_subcommands():
+@pytest.mark.parametrize("module", ["kvpush.cli", "kvpush"])
+def test_help_lists_the_subcommands(module):
     out = subprocess.run(
-        [sys.executable, "-m", "kvpush.cli", "--help"], check=True, capture_output=True, text=True
+        [sys.executable, "-m", module, "--help"], check=True, capture_output=True, text=True
     ).stdout
     for command in ("model", "bench", "demo"):
         assert command in out
