@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -33,14 +34,29 @@ def metric_samples(url: str) -> dict[str, float]:
     return out
 
 
+_GIVEN: set[int] = set()  # ports handed out in this session, maybe not bound yet
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(span: int = 1) -> int:
     """A free local port, with `span` free ports from it up (prefill rank r listens on
-    base + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span < 65536 and all(_is_free(base + i) for i in range(1, span)):
+    base + r). Chosen below the kernel's ephemeral range and never twice in a session: a
+    port the kernel picked for a bind to port 0 can be handed to another process's outgoing
+    socket or ZMQ bind before the server it was meant for binds it (vLLM's side channel once
+    lost its port that way, and its engine never came up)."""
+    high = _ephemeral_low() - span
+    for _ in range(200):
+        base = random.randrange(10000, high)
+        ports = range(base, base + span)
+        if not _GIVEN.intersection(ports) and all(_is_free(p) for p in ports):
+            _GIVEN.update(ports)
             return base
     raise RuntimeError("no free port range")
 
