@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-import aiohttp
+from kvpush import httpclient
 
 GAPS = {0.0: 40, 1.0: 10}  # seconds idle before each request: requests
 
@@ -63,7 +63,7 @@ def uvicorn_server(port: int, ready: mp.Queue) -> None:
 async def client(servers: dict[str, int]) -> dict:
     rng = random.Random(0)
     out: dict = {}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+    async with httpclient.session(max_connections=1) as s:
         for gap, n in GAPS.items():
             for name, port in servers.items():
                 hop_in, rtt = [], []

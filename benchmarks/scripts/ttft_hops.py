@@ -31,6 +31,8 @@ import time
 import aiohttp
 import numpy as np
 
+from kvpush import httpclient
+
 REQUESTS = 12
 PROMPT, OUTPUT = 300, 64
 VLLM = ("e2e_request_latency", "request_prefill_time")
@@ -38,6 +40,8 @@ VLLM = ("e2e_request_latency", "request_prefill_time")
 
 async def one(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:
     """(send, first token) on the monotonic clock."""
+    from kvpush.httpclient import sse_events
+
     t0 = time.perf_counter()
     async with s.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
@@ -46,22 +50,28 @@ async def one(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, fl
             await r.read()
             return t0, time.perf_counter()
         first = None
-        async for chunk in r.content.iter_any():
-            if first is None and b'"choices":[{' in chunk:
+        async for event in sse_events(r):
+            if first is None and event.get("choices"):
                 first = time.perf_counter()
         assert first is not None, "no token in the stream"
         return t0, first
 
 
 async def vllm_means(s: aiohttp.ClientSession, url: str) -> dict[str, tuple[float, float]]:
+    """vLLM's histograms named in VLLM on an engine's /metrics: name -> (sum s, count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     async with s.get(url + "/metrics") as r:
         text = await r.text()
     out: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        for name in VLLM:
-            for kind in ("sum", "count"):
-                if line.startswith(f"vllm:{name}_seconds_{kind}"):
-                    out.setdefault(name, [0.0, 0.0])[kind == "count"] += float(line.split()[-1])
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("vllm:").removesuffix("_seconds")
+        if name not in VLLM:
+            continue
+        for sample in family.samples:
+            kind = sample.name.rsplit("_", 1)[-1]
+            if kind in ("sum", "count"):
+                out.setdefault(name, [0.0, 0.0])[kind == "count"] += sample.value
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -75,7 +85,7 @@ async def run(proxy: str, prefill: str, seed: int) -> dict:
         "prefill_one": (prefill, {"stream": False, "max_tokens": 1}),
     }
     out: dict = {}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+    async with httpclient.session(max_connections=1) as s:
         for name, (url, kw) in targets.items():
 
             def body(kw: dict = kw) -> dict:
