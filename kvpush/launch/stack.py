@@ -16,7 +16,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvpush.launch.engine import Engine, EngineSpec, group_alive, stop_group, wait_http
+from kvpush.launch.engine import (
+    Engine,
+    EngineSpec,
+    front_end_config,
+    group_alive,
+    stop_group,
+    wait_http,
+)
 from kvpush.settings import SETTINGS
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8000
@@ -95,7 +102,18 @@ class Stack:
         log_dir: Path,
         with_proxy: bool = True,
         proxy_args: tuple[str, ...] = (),
+        front_end: bool = False,
     ) -> None:
+        """`front_end`: each prefill engine also serves clients as a front end for all the
+        decode engines (proxy/frontend.py), beside the proxy."""
+        if front_end:
+            decodes = [s.describe() for s in specs if s.role == "decode"]
+            specs = [
+                front_end_config(s, decodes, log_dir / f"front-end-{s.name}.json")
+                if s.role == "prefill"
+                else s
+                for s in specs
+            ]
         self.specs, self.connector, self.proxy_port = specs, connector, proxy_port
         self.log_dir, self.with_proxy, self.proxy_args = log_dir, with_proxy, proxy_args
         self.engines: list[Engine] = []
@@ -244,4 +262,12 @@ def spec_from_args(args: object) -> EngineSpec:
     )
     if args.prefix_caching is not None:
         spec = replace(spec, prefix_caching=args.prefix_caching)
+    if args.front_end_decode:
+        from kvpush.proxy.cli import decode_engines
+
+        if spec.role != "prefill" or spec.connector != "kvpush":
+            raise SystemExit("--front-end-decode: a kvpush prefill engine only")
+        decodes = [vars(e) for e in decode_engines(args.front_end_decode)]
+        path = SETTINGS.cache_dir / f"front-end-{spec.name}.json"
+        spec = front_end_config(spec, decodes, path)
     return spec

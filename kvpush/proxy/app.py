@@ -180,12 +180,24 @@ def serve(config: ProxyConfig, host: str, port: int) -> None:
 
 
 def check_body(raw: bytes, models: list[str], mode: str, chat: bool) -> dict:
+    body = parse_json(raw)
+    if body is None:
+        raise ProxyError(400, "request body must be a JSON object")
+    check_request(body, models, mode, chat)
+    return body
+
+
+def parse_json(raw: bytes) -> dict | None:
+    """The body as a JSON object; None for other JSON; a 400 for what is not JSON."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise ProxyError(400, f"request body is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ProxyError(400, "request body must be a JSON object")
+    return body if isinstance(body, dict) else None
+
+
+def check_request(body: dict, models: list[str], mode: str, chat: bool) -> None:
+    """A 4xx for a request the proxy cannot serve; fills in `model` when it is missing."""
     model = body.setdefault("model", models[0] if models else None)
     if models and model not in models:
         raise ProxyError(404, f"model {model!r} is not served here; served: {models}")
@@ -208,7 +220,6 @@ def check_body(raw: bytes, models: list[str], mode: str, chat: bool) -> dict:
         raise ProxyError(400, "push mode takes one prompt per request; send each on its own")
     if mode == "push" and body.get("n", 1) != 1:
         raise ProxyError(400, f"n={body.get('n')}: push mode serves n=1 only")
-    return body
 
 
 def forward_headers(request: web.Request, config: ProxyConfig) -> dict[str, str]:

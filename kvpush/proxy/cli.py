@@ -84,6 +84,21 @@ def parse_value(key: str, value: str) -> str | int | bool:
     return value
 
 
+def decode_engines(specs: list[str]) -> list[EngineInfo]:
+    """Decode engines from description files (`kvpush serve --describe-to`) or
+    URL[,key=value...] as --decode takes them."""
+    engines = []
+    for spec in specs:
+        if spec.startswith(("http://", "https://")):
+            engines.append(parse_engine(spec, "decode"))
+        else:
+            engines += load_engines([spec])
+    for e in engines:
+        if e.role != "decode":
+            raise ValueError(f"{e.url} is a {e.role} engine, not a decode engine")
+    return engines
+
+
 def build_config(args: argparse.Namespace) -> ProxyConfig:
     settings = load_file(args.config) if args.config else {"engines": []}
     engines = list(settings.pop("engines"))

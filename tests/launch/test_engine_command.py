@@ -3,7 +3,10 @@ cores by default (docs/benchmarks.md, capacity), which `--no-pin-cores` turns of
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+
+import pytest
 
 from kvpush.cli import build_parser
 from kvpush.launch.engine import EngineSpec
@@ -23,3 +26,47 @@ def test_serve_pins_by_default_and_no_pin_cores_turns_it_off(tmp_path):
     base = ["serve", "--role", "prefill", "--model", str(tmp_path)]
     assert spec_from_args(parser.parse_args(base)).pin_cores
     assert not spec_from_args(parser.parse_args([*base, "--no-pin-cores"])).pin_cores
+
+
+def test_serve_front_end_decode_loads_the_front_end_with_its_configuration(tmp_path, monkeypatch):
+    from kvpush.launch import stack
+    from kvpush.proxy.frontend import load_config
+
+    monkeypatch.setattr(stack, "SETTINGS", replace(stack.SETTINGS, cache_dir=tmp_path))
+
+    decode = EngineSpec("decode", "m", 8200, engine_id="d0")
+    described = tmp_path / "d0.json"
+    described.write_text(json.dumps(decode.describe()))
+    parser = build_parser()
+    args = ["serve", "--role", "prefill", "--model", str(tmp_path), "--engine-id", "p0"]
+    spec = spec_from_args(parser.parse_args([*args, "--front-end-decode", str(described)]))
+    cmd = spec.command()
+    assert cmd[-2:] == ["--middleware", "kvpush.proxy.frontend.FrontEnd"]  # the outermost
+    assert (
+        spec.env()["KVPUSH_FRONT_END_CONFIG"]
+        == spec.front_end
+        == str(tmp_path / "front-end-p0.json")
+    )
+    config = load_config(spec.front_end)
+    assert [(e.role, e.engine_id) for e in config.engines] == [("prefill", "p0"), ("decode", "d0")]
+    assert config.engines[1].forces_first_token
+
+
+def test_a_front_end_belongs_in_a_kvpush_prefill_engine_only(tmp_path):
+    with pytest.raises(ValueError, match="kvpush prefill engine only"):
+        replace(SPEC, front_end=str(tmp_path / "f.json"))
+    parser = build_parser()
+    args = ["serve", "--role", "decode", "--model", str(tmp_path), "--front-end-decode", "x.json"]
+    with pytest.raises(SystemExit, match="kvpush prefill engine only"):
+        spec_from_args(parser.parse_args(args))
+
+
+def test_a_front_end_configuration_names_exactly_its_own_prefill_engine(tmp_path):
+    from kvpush.proxy.frontend import load_config
+
+    engines = [EngineSpec(r, "m", p, engine_id=f"{r}{p}").describe() for r, p in
+               (("prefill", 8100), ("prefill", 8101), ("decode", 8200))]  # fmt: skip
+    path = tmp_path / "f.json"
+    path.write_text(json.dumps({"engines": engines}))
+    with pytest.raises(ValueError, match="exactly one prefill engine"):
+        load_config(str(path))
