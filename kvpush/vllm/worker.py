@@ -113,6 +113,7 @@ class PushWorker:
             heartbeat_s=cfg.heartbeat_s,
             debug_checksum=cfg.debug_checksum,
             fast_poll_s=cfg.fast_poll_s,
+            nice=cfg.endpoint_nice,
             staging_bytes=None if cfg.staging_mib is None else cfg.staging_mib << 20,
             staging_min_descs=cfg.staging_min_descs,
         )

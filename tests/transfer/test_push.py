@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvpush.transfer.endpoint import TransferConfig
+from kvpush.transfer.harness import Side
 from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner, SourceAnnouncer
 from kvpush.transfer.wire import TransferKey
@@ -16,6 +18,7 @@ from tests.transfer.conftest import (
     COMPAT,
     SPEC,
     assert_idle,
+    decode_config,
     free_port,
     wait_for,
 )
@@ -287,9 +290,25 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
+def test_the_loop_thread_runs_at_its_niceness_and_the_process_does_not():
+    side = Side("decode", decode_config(nice=7), SPEC)
+    try:
+        pid = side.proc.pid
+        nice = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            nice[int(task.name)] = int(fields[16])  # field 19 of stat: nice
+        assert nice[pid] == 0, nice  # the main thread, as vLLM's worker's would be
+        assert 7 in nice.values(), nice
+    finally:
+        side.close()
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
+        ({"nice": 20}, "nice must be in"),
+        ({"nice": -1}, "nice must be in"),
         ({"fast_poll_s": 0.001}, "fast_poll_s must be in"),
         ({"fast_poll_s": -1e-4}, "fast_poll_s must be in"),
         ({"fast_window_s": -1.0}, "fast_window_s must be >= 0"),
