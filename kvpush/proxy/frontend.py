@@ -165,12 +165,13 @@ class FrontEnd:
         await self._handle(scope, receive, send, body, _ROUTES[path])
 
     def _on_lifespan(self, send: Send) -> Send:
-        """Close the pool's clients when the server shuts down."""
+        """Close the pool's clients and the ABANDON sockets when the server shuts down."""
 
         async def wrapped(message: dict) -> None:
-            if message["type"].startswith("lifespan.shutdown") and self._started is not None:
-                with contextlib.suppress(Exception):
-                    await self.pool.stop()
+            if message["type"].startswith("lifespan.shutdown"):
+                if self._started is not None:
+                    with contextlib.suppress(Exception):
+                        await self.pool.stop()
                 self.abandoner.close()
             await send(message)
 
