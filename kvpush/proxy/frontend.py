@@ -44,6 +44,12 @@ log = logging.getLogger(__name__)
 OFF_HEADER = b"x-kvpush-front-end"  # "off": this engine serves the request alone
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
 Scope = dict[str, Any]
+
+
+class ClientGone(Exception):
+    """The client closed its connection (ASGI's http.disconnect): the request ends quietly."""
+
+
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
@@ -153,7 +159,10 @@ class FrontEnd:
         if method != "POST" or path not in _ROUTES or _header(scope, OFF_HEADER) == "off":
             await self.app(scope, receive, send)
             return
-        raw = await _read_body(receive)
+        try:
+            raw = await _read_body(receive)
+        except ClientGone:
+            return
         try:
             body = parse_json(raw)
         except ProxyError:
@@ -207,9 +216,9 @@ class FrontEnd:
             extra = [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
             await _respond(send, e.status, msgspec.json.encode(error), echo + extra)
             return
-        except asyncio.CancelledError:
+        except ClientGone:
             self.metrics.requests.labels(config.mode, "499").inc()
-            raise
+            return
         self.metrics.requests.labels(config.mode, "200").inc()
         if answer.body is not None:
             await _respond(send, 200, answer.body, echo)
@@ -224,7 +233,7 @@ class FrontEnd:
         async def write(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        with contextlib.suppress(OSError):  # the client left mid-stream
+        with contextlib.suppress(OSError, ClientGone):  # the client left mid-stream
             await _until_disconnect(receive, self.dispatcher.relay(answer, start, write))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -250,8 +259,9 @@ class FrontEnd:
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or cancelled when the client goes away (as the proxy's handlers are
-    with aiohttp's handler_cancellation): both legs close, the transfer is ABANDONed."""
+    """`work`'s result; ClientGone once the client goes away, `work` cancelled first (as the
+    proxy's handlers are with aiohttp's handler_cancellation): both legs close, the transfer
+    is ABANDONed."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -270,7 +280,7 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        raise asyncio.CancelledError("the client went away")
+        raise ClientGone
     return task.result()
 
 
@@ -279,7 +289,7 @@ async def _read_body(receive: Receive) -> bytes:
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("the client went away")
+            raise ClientGone
         chunks.append(message.get("body", b""))
         more = message.get("more_body", False)
     return b"".join(chunks)

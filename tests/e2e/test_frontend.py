@@ -161,6 +161,7 @@ def test_a_client_that_leaves_mid_stream_frees_both_engines(front, engines):
     wait_idle(url, engines["decode"].spec.url, timeout_s=15)
     assert abandoned(url) > abandoned_before
     assert last_timeline(url)["status"] == "ended early"
+    assert "Exception in ASGI application" not in front.log_path.read_text()  # a quiet end
 
 
 def abandoned(url: str) -> float:
