@@ -44,14 +44,12 @@ log = logging.getLogger(__name__)
 OFF_HEADER = b"x-kvpush-front-end"  # "off": this engine serves the request alone
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
 Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
 
 
 class ClientGone(Exception):
     """The client closed its connection (ASGI's http.disconnect): the request ends quietly."""
-
-
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
 
 
 def load_config(path: str) -> ProxyConfig:
