@@ -26,11 +26,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
 
+from kvpush.asgi import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header,
+    never,
+    read_body,
+    replay,
+    respond,
+)
 from kvpush.proxy.app import HttpLegs, check_request, parse_json
 from kvpush.proxy.config import EngineState, ProxyConfig, load_file
 from kvpush.proxy.dispatch import Dispatcher, PrefillLost, error_text, route
@@ -43,13 +54,6 @@ from kvpush.transfer.router import Abandoner
 log = logging.getLogger(__name__)
 OFF_HEADER = b"x-kvpush-front-end"  # "off": this engine serves the request alone
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
-
-
-class ClientGone(Exception):
-    """The client closed its connection (ASGI's http.disconnect): the request ends quietly."""
 
 
 def load_config(path: str) -> ProxyConfig:
@@ -92,16 +96,7 @@ class LocalLegs(HttpLegs):
             "query_string": b"",
             "headers": raw_headers,
         }
-        sent = False
-
-        async def receive() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": data, "more_body": False}
-            await asyncio.Future()  # no disconnect: a cancelled leg is cancelled here
-            raise AssertionError("unreachable")
-
+        receive = replay(data, never)  # no disconnect: a cancelled leg is cancelled
         status, chunks = 500, []
 
         async def send(message: dict) -> None:
@@ -154,11 +149,11 @@ class FrontEnd:
         if method == "GET" and path.startswith("/kvpush/"):
             await self._own_route(path, send)
             return
-        if method != "POST" or path not in _ROUTES or _header(scope, OFF_HEADER) == "off":
+        if method != "POST" or path not in _ROUTES or header(scope, OFF_HEADER) == "off":
             await self.app(scope, receive, send)
             return
         try:
-            raw = await _read_body(receive)
+            raw = await read_body(receive)
         except ClientGone:
             return
         try:
@@ -166,7 +161,7 @@ class FrontEnd:
         except ProxyError:
             body = None  # vLLM answers malformed JSON itself
         if body is None or "kv_transfer_params" in body:  # a proxy's leg: the engine's own
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replay(raw, receive), send)
             return
         self.legs.set_server(scope)
         await self._handle(scope, receive, send, body, _ROUTES[path])
@@ -194,13 +189,13 @@ class FrontEnd:
             raise ProxyError(503, f"kvpush front end: {e}") from e
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, body: dict, chat: bool):
-        trace = Trace(_header(scope, b"x-request-id"))
+        trace = Trace(header(scope, b"x-request-id"))
         echo = [(b"x-request-id", (trace.client_id or trace.request_id).encode())]
         config = self.config
         try:
             await self._start()
             check_request(body, self.pool.models(), config.mode, chat)
-            auth = _header(scope, b"authorization") or (
+            auth = header(scope, b"authorization") or (
                 f"Bearer {config.api_key}" if config.api_key else None
             )
             headers = ({"Authorization": auth} if auth else {}) | {"X-Request-Id": trace.request_id}
@@ -212,14 +207,14 @@ class FrontEnd:
             kind = "BadRequestError" if e.status < 500 else "UpstreamError"
             error = {"error": {"message": e.message, "type": kind, "code": e.status}}
             extra = [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
-            await _respond(send, e.status, msgspec.json.encode(error), echo + extra)
+            await respond(send, e.status, msgspec.json.encode(error), echo + extra)
             return
         except ClientGone:
             self.metrics.requests.labels(config.mode, "499").inc()
             return
         self.metrics.requests.labels(config.mode, "200").inc()
         if answer.body is not None:
-            await _respond(send, 200, answer.body, echo)
+            await respond(send, 200, answer.body, echo)
             return
         stream_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -238,7 +233,7 @@ class FrontEnd:
     async def _own_route(self, path: str, send: Send) -> None:
         if path == "/kvpush/metrics":
             self.metrics.observe_pool(self.pool)
-            await _respond(send, 200, self.metrics.render(), [], b"text/plain; version=0.0.4")
+            await respond(send, 200, self.metrics.render(), [], b"text/plain; version=0.0.4")
             return
         if path == "/kvpush/timelines":
             data: Any = {"timelines": list(self.metrics.recent)}
@@ -251,9 +246,9 @@ class FrontEnd:
             }
         else:
             error = {"message": f"no route {path}", "type": "NotFound", "code": 404}
-            await _respond(send, 404, msgspec.json.encode({"error": error}), [])
+            await respond(send, 404, msgspec.json.encode({"error": error}), [])
             return
-        await _respond(send, 200, msgspec.json.encode(data), [])
+        await respond(send, 200, msgspec.json.encode(data), [])
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
@@ -280,46 +275,3 @@ async def _until_disconnect(receive: Receive, work: Awaitable[Any]) -> Any:
             await task
         raise ClientGone
     return task.result()
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks, more = [], True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunks.append(message.get("body", b""))
-        more = message.get("more_body", False)
-    return b"".join(chunks)
-
-
-def _replay(raw: bytes, receive: Receive) -> Receive:
-    replayed = False
-
-    async def replay() -> dict:
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
-async def _respond(
-    send: Send,
-    status: int,
-    body: bytes,
-    headers: list[tuple[bytes, bytes]],
-    content_type: bytes = b"application/json",
-) -> None:
-    headers = [(b"content-type", content_type), *headers]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

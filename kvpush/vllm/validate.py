@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpush.asgi import ClientGone, read_body, replay, respond
 from kvpush.vllm.params import ParamsError, parse
 
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -42,12 +43,10 @@ class ValidateMiddleware:
         if scope["type"] != "http" or scope["path"] not in _CHECKED_PATHS:
             await self.app(scope, receive, send)
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        raw = b"".join(chunks)
+        try:
+            raw = await read_body(receive)
+        except ClientGone:
+            return
         error = None
         try:
             body = json.loads(raw or b"{}")
@@ -56,25 +55,7 @@ class ValidateMiddleware:
         except ValueError:
             pass  # vLLM answers malformed JSON itself
         if error is not None:
-            payload = json.dumps(
-                {"error": {"message": error, "type": "BadRequestError", "code": 400}}
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [(b"content-type", b"application/json")],
-                }
-            )
-            await send({"type": "http.response.body", "body": payload})
+            payload = {"error": {"message": error, "type": "BadRequestError", "code": 400}}
+            await respond(send, 400, json.dumps(payload).encode())
             return
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay(raw, receive), send)
