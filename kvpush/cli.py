@@ -89,6 +89,7 @@ def _up(args: argparse.Namespace) -> int:
         args.detach,
         pin_cores=args.pin_cores,
         first_token=args.first_token,
+        front_end=args.front_end,
     )
 
 
@@ -256,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="first_token",
         action="store_false",
         help="kvpush: the client's first token from decode's stream, not prefill's answer",
+    )
+    up.add_argument(
+        "--front-end",
+        action="store_true",
+        help="kvpush: each prefill engine also takes clients' requests itself, no proxy between "
+        "(docs/architecture.md, 'The front end'); the proxy still runs",
     )
     pin_flag(up)
     up.set_defaults(func=_up)

@@ -185,6 +185,7 @@ def up(
     detach: bool,
     pin_cores: bool = True,
     first_token: bool = True,
+    front_end: bool = False,
 ) -> int:
     from kvpush.launch import tinymodel
 
@@ -201,8 +202,11 @@ def up(
         f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",
         flush=True,
     )
+    if front_end and connector != "kvpush":
+        print(f"--front-end runs with --connector kvpush only, not {connector}")
+        return 2
     proxy_args = () if first_token else ("--no-first-token",)
-    stack = Stack(specs, connector, proxy_port, log_dir, proxy_args=proxy_args)
+    stack = Stack(specs, connector, proxy_port, log_dir, proxy_args=proxy_args, front_end=front_end)
     stack.start()
     print(
         f"kvpush ready: {stack.url}  try:\n  curl {stack.url}/v1/completions -H "
@@ -210,6 +214,9 @@ def up(
         '"max_tokens": 16}\'',
         flush=True,
     )
+    if front_end:
+        urls = ", ".join(s.url for s in stack.specs if s.role == "prefill")
+        print(f"front end (the same requests, no proxy): {urls}", flush=True)
     if detach:
         return 0
     stopping = False

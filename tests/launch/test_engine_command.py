@@ -70,3 +70,14 @@ def test_a_front_end_configuration_names_exactly_its_own_prefill_engine(tmp_path
     path.write_text(json.dumps({"engines": engines}))
     with pytest.raises(ValueError, match="exactly one prefill engine"):
         load_config(str(path))
+
+
+def test_up_front_end_needs_kvpush_and_starts_nothing_otherwise(capsys, tmp_path, monkeypatch):
+    from kvpush.cli import main
+    from kvpush.launch import stack
+
+    monkeypatch.setattr(stack, "SETTINGS", replace(stack.SETTINGS, cache_dir=tmp_path))
+    args = ["up", "--front-end", "--connector", "nixl-pull", "--model", str(tmp_path)]
+    assert main(args) == 2
+    assert "--front-end runs with --connector kvpush only" in capsys.readouterr().out
+    assert not (tmp_path / "stack.json").exists()  # no stack was started
