@@ -80,15 +80,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         return web.json_response({"healthy": ok}, status=200 if ok else 503)
 
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "mode": config.mode,
-                "connector": config.connector,
-                "policy": config.policy,
-                "first_token": config.early_first_token,
-                "engines": [pool.describe(s) for s in pool.states],
-            }
-        )
+        return web.json_response(describe(config, pool))
 
     async def prom(request: web.Request) -> web.Response:
         metrics.observe_pool(pool)
@@ -115,7 +107,8 @@ def create_app(config: ProxyConfig) -> web.Application:
         echo = {"X-Request-Id": trace.client_id or trace.request_id}
         try:
             body = check_body(await request.read(), pool.models(), config.mode, chat)
-            headers = forward_headers(request, config) | {"X-Request-Id": trace.request_id}
+            auth = request.headers.get("authorization")
+            headers = forward_headers(auth, config) | {"X-Request-Id": trace.request_id}
             answer = await dispatcher.dispatch(body, chat, headers, trace)
         except ProxyError as e:
             metrics.requests.labels(config.mode, str(e.status)).inc()
@@ -222,8 +215,19 @@ def check_request(body: dict, models: list[str], mode: str, chat: bool) -> None:
         raise ProxyError(400, f"n={body.get('n')}: push mode serves n=1 only")
 
 
-def forward_headers(request: web.Request, config: ProxyConfig) -> dict[str, str]:
-    auth = request.headers.get("authorization")
+def describe(config: ProxyConfig, pool: EnginePool) -> dict:
+    """What /status answers (the front end's /kvpush/status too)."""
+    return {
+        "mode": config.mode,
+        "connector": config.connector,
+        "policy": config.policy,
+        "first_token": config.early_first_token,
+        "engines": [pool.describe(s) for s in pool.states],
+    }
+
+
+def forward_headers(auth: str | None, config: ProxyConfig) -> dict[str, str]:
+    """The client's Authorization header for the engines, or the configured API key's."""
     if auth is None and config.api_key:
         auth = f"Bearer {config.api_key}"
     return {"Authorization": auth} if auth else {}

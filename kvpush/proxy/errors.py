@@ -10,7 +10,11 @@ class ProxyError(Exception):
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+    def body(self) -> dict:
+        """The OpenAI-style error object the client gets."""
         kind = "BadRequestError" if self.status < 500 else "UpstreamError"
-        body = {"error": {"message": self.message, "type": kind, "code": self.status}}
-        return web.json_response(body, status=self.status, headers=self.headers | (headers or {}))
+        return {"error": {"message": self.message, "type": kind, "code": self.status}}
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        headers = self.headers | (headers or {})
+        return web.json_response(self.body(), status=self.status, headers=headers)

@@ -42,7 +42,7 @@ from kvpush.asgi import (
     replay,
     respond,
 )
-from kvpush.proxy.app import HttpLegs, check_request, parse_json
+from kvpush.proxy.app import HttpLegs, check_request, describe, forward_headers, parse_json
 from kvpush.proxy.config import EngineState, ProxyConfig, load_file
 from kvpush.proxy.dispatch import Dispatcher, PrefillLost, error_text, route
 from kvpush.proxy.errors import ProxyError
@@ -195,19 +195,15 @@ class FrontEnd:
         try:
             await self._start()
             check_request(body, self.pool.models(), config.mode, chat)
-            auth = header(scope, b"authorization") or (
-                f"Bearer {config.api_key}" if config.api_key else None
-            )
-            headers = ({"Authorization": auth} if auth else {}) | {"X-Request-Id": trace.request_id}
+            auth = forward_headers(header(scope, b"authorization"), config)
+            headers = auth | {"X-Request-Id": trace.request_id}
             answer = await _until_disconnect(
                 receive, self.dispatcher.dispatch(body, chat, headers, trace)
             )
         except ProxyError as e:
             self.metrics.requests.labels(config.mode, str(e.status)).inc()
-            kind = "BadRequestError" if e.status < 500 else "UpstreamError"
-            error = {"error": {"message": e.message, "type": kind, "code": e.status}}
             extra = [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
-            await respond(send, e.status, msgspec.json.encode(error), echo + extra)
+            await respond(send, e.status, msgspec.json.encode(e.body()), echo + extra)
             return
         except ClientGone:
             self.metrics.requests.labels(config.mode, "499").inc()
@@ -238,12 +234,7 @@ class FrontEnd:
         if path == "/kvpush/timelines":
             data: Any = {"timelines": list(self.metrics.recent)}
         elif path == "/kvpush/status":
-            data = {
-                "mode": self.config.mode,
-                "connector": self.config.connector,
-                "first_token": self.config.early_first_token,
-                "engines": [self.pool.describe(s) for s in self.pool.states],
-            }
+            data = describe(self.config, self.pool)
         else:
             error = {"message": f"no route {path}", "type": "NotFound", "code": 404}
             await respond(send, 404, msgspec.json.encode({"error": error}), [])
