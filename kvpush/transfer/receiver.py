@@ -196,8 +196,9 @@ class DecodeEndpoint(Endpoint):
                 )
                 self._complete(key, address, why)
                 continue
-            self._send(link, reg)
+            # marked before the send: prefill may post the WRITE before this thread runs again
             exp.marks.setdefault("registered", time.monotonic())
+            self._send(link, reg)
 
     def _on_cancel(self, key: wire.TransferKey, prefill: PrefillAddress | None) -> Future:
         exp = self._expected.get(key)
