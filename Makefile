@@ -48,7 +48,7 @@ demo: venv
 	$(BIN)/kvpush demo
 
 # The figures in docs/benchmarks.md: the transfer micro-benchmark, then the default serving
-# grid for every connector (about 15 minutes on a 2-core host), then the plots.
+# grid for every connector (about 20 minutes on a 2-core host), then the plots.
 bench: venv
 	$(BIN)/kvpush bench transfer --out benchmarks/results/transfer_cpu.json
 	$(BIN)/kvpush bench proxy --out benchmarks/results/proxy_cpu.json

@@ -172,7 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     pin_flag(bttft)
     bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
-    bserve.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull,mono")
+    bserve.add_argument(
+        "--connectors",
+        default="kvpush,kvpush-front-end,nixl-push,nixl-pull,mono",
+        help="kvpush-front-end: the kvpush stack, clients at the prefill engine's front end",
+    )
     bserve.add_argument("--qps", default="1,4")
     bserve.add_argument("--input-lens", default="256,1024")
     bserve.add_argument("--output-lens", default="16")

@@ -17,8 +17,9 @@ from pathlib import Path
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p99")
 FIGURES = [(m, s) for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
-MODE_ORDER = ("kvpush", "nixl-push", "nixl-pull", "push", "pull", "mono")
+MODE_ORDER = ("kvpush", "kvpush-front-end", "nixl-push", "nixl-pull", "push", "pull", "mono")
 # push against pull, as the seed's plot_push_vs_pull.py compares them (its modes: push, pull)
+KVPUSH_MODES = ("kvpush", "kvpush-front-end")  # through the proxy, at prefill's front end
 PUSH_VS_PULL = (("push", "pull"), ("nixl-push", "nixl-pull"))
 NAME = re.compile(r"^(?P<mode>.+)_qps(?P<qps>[0-9.]+|inf)_in(?P<n_in>\d+)_out(?P<n_out>\d+)"
                   r"_iter(?P<it>\d+)\.json$")  # fmt: skip
@@ -147,8 +148,9 @@ def summary(points: dict[tuple, list[dict]], stat: str) -> str:
         " Ratios below 1 favour the first.",
         "",
     ]
-    pairs = [("kvpush", m) for m in modes if "kvpush" in modes and m != "kvpush"]
-    pairs += [p for p in PUSH_VS_PULL if set(p) <= set(modes) and p not in pairs]
+    ours = [m for m in KVPUSH_MODES if m in modes]  # each against every other mode
+    pairs = [(a, b) for a in ours for b in modes if b not in ours]
+    pairs += [p for p in (KVPUSH_MODES[::-1], *PUSH_VS_PULL) if set(p) <= set(modes)]
     for metric in ("ttft", "tpot"):
         key = f"{stat}_{metric}_ms"
         head = ["QPS", "input", "output", *[f"{m} ms" for m in modes]]

@@ -5,7 +5,8 @@ the same QPS, input and output lists, and writes vLLM's result JSON as
 `<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the results folder, with kvpush's additions
 (mode, grid point, hardware, the engines' settings, the proxy's per-phase timeline and
 `decode_waiting_on_prefill`). `mono` is one plain engine with no disaggregation: the reference
-for what disaggregation itself costs.
+for what disaggregation itself costs. `kvpush-front-end` is the kvpush stack with the clients'
+requests sent to the prefill engine's own front end (proxy/frontend.py) instead of the proxy.
 
 The grid is a loop here, not `vllm bench sweep serve`: that tool starts one server command
 per combination and names its results its own way, while a kvpush stack is several
@@ -21,10 +22,12 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvpush.bench import vllm_bench
 
-ALL_MODES = ("kvpush", "nixl-push", "nixl-pull", "mono")
+FRONT_END = "kvpush-front-end"  # kvpush, clients at the prefill engine's front end
+ALL_MODES = ("kvpush", FRONT_END, "nixl-push", "nixl-pull", "mono")
 # The default grid finishes in under 15 minutes on a 2-core host and still shows load build.
 DEFAULT_QPS = (1.0, 4.0)
 DEFAULT_INPUT_LENS = (256, 1024)
@@ -62,6 +65,7 @@ def sweep(
     """A warm-up per input length, then every grid point, each one `vllm bench serve`; one
     line per point as it finishes."""
     written = []
+    timelines = url + ("/kvpush/timelines" if mode == FRONT_END else "/timelines")
     for n_in in input_lens:
         vllm_bench.warm_up(url, tokenizer, model_name, n_in, output_lens[0])
     for it in range(iterations):
@@ -84,7 +88,7 @@ def sweep(
                         "engines": engines,  # how the stack's engines were started (None: --url)
                         "hardware": hardware(),
                         "created_unix_s": int(time.time()),
-                        "proxy_phases_ms": asyncio.run(proxy_phases(url, num_prompts)),
+                        "proxy_phases_ms": asyncio.run(proxy_phases(timelines, num_prompts)),
                         # vLLM counts a stream that ends in an error event as completed; with
                         # EOS ignored, a short answer is how such a stream shows
                         "short_outputs": sum(n < n_out for n in result.get("output_lens", [])),
@@ -106,8 +110,9 @@ def point_line(r: dict) -> str:
 
 
 async def proxy_phases(url: str, num_requests: int) -> dict | None:
-    """Median and p99 (numpy's) of each timeline phase over the proxy's last `num_requests`
-    requests (its /timelines), or None for an endpoint without one (a plain engine)."""
+    """Median and p99 (numpy's) of each timeline phase over the last `num_requests` requests
+    of the proxy's or front end's timelines at `url`, or None for an endpoint without them
+    (a plain engine)."""
     import aiohttp
     import numpy as np
 
@@ -115,7 +120,7 @@ async def proxy_phases(url: str, num_requests: int) -> dict | None:
 
     async with httpclient.session() as c:
         try:
-            async with c.get(url + "/timelines") as r:
+            async with c.get(url) as r:
                 if r.status != 200:
                     return None
                 timelines = (await r.json())["timelines"][-num_requests:]
@@ -136,17 +141,25 @@ async def proxy_phases(url: str, num_requests: int) -> dict | None:
 def mode_stack(
     mode: str, model: str, log_dir: Path, connector_extra: dict | None = None, **engine_kw: object
 ) -> object:
-    """1 prefill + 1 decode behind the proxy, or one plain engine for `mono`;
-    `connector_extra` goes into kvpush's kv_connector_extra_config."""
+    """1 prefill + 1 decode behind the proxy (for FRONT_END the prefill engine is also a
+    front end), or one plain engine for `mono`; `connector_extra` goes into kvpush's
+    kv_connector_extra_config."""
     from kvpush.launch.engine import EngineSpec
     from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
 
     if mode == "mono":
         spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
         return Stack([spec], mode, PROXY_PORT, log_dir, with_proxy=False)
-    if mode == "kvpush" and connector_extra:
+    connector = "kvpush" if mode == FRONT_END else mode
+    if connector == "kvpush" and connector_extra:
         engine_kw = engine_kw | {"connector_extra": connector_extra}
-    return Stack(stack_specs(model, mode, 1, 1, **engine_kw), mode, PROXY_PORT, log_dir)
+    specs = stack_specs(model, connector, 1, 1, **engine_kw)
+    return Stack(specs, connector, PROXY_PORT, log_dir, front_end=mode == FRONT_END)
+
+
+def mode_url(mode: str, stack: Any) -> str:
+    """Where a mode's clients go: the prefill engine for FRONT_END, else the stack's URL."""
+    return stack.specs[0].url if mode == FRONT_END else stack.url
 
 
 def _numbers(text: str, kind: type, flag: str) -> list:
@@ -214,10 +227,11 @@ def main(args: object) -> int:
         stack.start()
         try:
             engines = engine_kw | {"extra_args": list(args.vllm_arg)}
-            if mode == "kvpush":
+            if mode in ("kvpush", FRONT_END):
                 engines["connector_extra"] = connector_extra
             tokenizer = args.tokenizer or model
-            sweep(mode, stack.url, results_dir=results_dir, tokenizer=tokenizer, engines=engines,
+            url = mode_url(mode, stack)
+            sweep(mode, url, results_dir=results_dir, tokenizer=tokenizer, engines=engines,
                   **grid)  # fmt: skip
         finally:
             stack.stop()

@@ -70,3 +70,14 @@ def test_results_without_kvpushs_fields_take_the_grid_point_from_their_name(tmp_
     assert plot.main(tmp_path) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert "| 8 | 16384 | 128 | 50.0 | 200.0 | 0.25 |" in summary  # push/pull
+
+
+def test_the_summary_sets_both_ways_into_kvpush_against_the_others_and_each_other(tmp_path):
+    for mode, ttft in (("kvpush", 30.0), ("kvpush-front-end", 27.0), ("mono", 25.0)):
+        write_point(tmp_path, mode, 1.0, 256, 0, ttft, 5.0)
+    assert plot.main(tmp_path, "median") == 0
+    summary = (tmp_path / "summary.md").read_text()
+    head = ("| QPS | input | output | kvpush ms | kvpush-front-end ms | mono ms | kvpush/mono "
+            "| kvpush-front-end/mono | kvpush-front-end/kvpush |")  # fmt: skip
+    assert head in summary
+    assert "| 1 | 256 | 16 | 30.0 | 27.0 | 25.0 | 1.20 | 1.08 | 0.90 |" in summary
