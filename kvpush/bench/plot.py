@@ -14,12 +14,14 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from kvpush.bench.serve import FRONT_END
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p99")
 FIGURES = [(m, s) for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
-MODE_ORDER = ("kvpush", "kvpush-front-end", "nixl-push", "nixl-pull", "push", "pull", "mono")
+MODE_ORDER = ("kvpush", FRONT_END, "nixl-push", "nixl-pull", "push", "pull", "mono")
 # push against pull, as the seed's plot_push_vs_pull.py compares them (its modes: push, pull)
-KVPUSH_MODES = ("kvpush", "kvpush-front-end")  # through the proxy, at prefill's front end
+KVPUSH_MODES = ("kvpush", FRONT_END)  # through the proxy, at prefill's front end
 PUSH_VS_PULL = (("push", "pull"), ("nixl-push", "nixl-pull"))
 NAME = re.compile(r"^(?P<mode>.+)_qps(?P<qps>[0-9.]+|inf)_in(?P<n_in>\d+)_out(?P<n_out>\d+)"
                   r"_iter(?P<it>\d+)\.json$")  # fmt: skip

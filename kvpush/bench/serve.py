@@ -28,7 +28,8 @@ from kvpush.bench import vllm_bench
 
 FRONT_END = "kvpush-front-end"  # kvpush, clients at the prefill engine's front end
 ALL_MODES = ("kvpush", FRONT_END, "nixl-push", "nixl-pull", "mono")
-# The default grid finishes in under 15 minutes on a 2-core host and still shows load build.
+# The default grid takes about 4 minutes per connector on a 2-core host and still shows load
+# build.
 DEFAULT_QPS = (1.0, 4.0)
 DEFAULT_INPUT_LENS = (256, 1024)
 DEFAULT_OUTPUT_LENS = (16,)
@@ -150,11 +151,16 @@ def mode_stack(
     if mode == "mono":
         spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
         return Stack([spec], mode, PROXY_PORT, log_dir, with_proxy=False)
-    connector = "kvpush" if mode == FRONT_END else mode
+    connector = connector_of(mode)
     if connector == "kvpush" and connector_extra:
         engine_kw = engine_kw | {"connector_extra": connector_extra}
     specs = stack_specs(model, connector, 1, 1, **engine_kw)
     return Stack(specs, connector, PROXY_PORT, log_dir, front_end=mode == FRONT_END)
+
+
+def connector_of(mode: str) -> str:
+    """The connector a mode's stack runs (FRONT_END: kvpush's)."""
+    return "kvpush" if mode == FRONT_END else mode
 
 
 def mode_url(mode: str, stack: Any) -> str:
@@ -227,7 +233,7 @@ def main(args: object) -> int:
         stack.start()
         try:
             engines = engine_kw | {"extra_args": list(args.vllm_arg)}
-            if mode in ("kvpush", FRONT_END):
+            if connector_of(mode) == "kvpush":
                 engines["connector_extra"] = connector_extra
             tokenizer = args.tokenizer or model
             url = mode_url(mode, stack)
