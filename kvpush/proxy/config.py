@@ -141,3 +141,4 @@ class EngineState:
     outstanding: int = 0
     outstanding_tokens: int = 0
     waiting_on_prefill: int = 0  # decode: requests holding blocks until prefill is done
+    connections_opened: int = 0  # TCP connections the pool opened to it

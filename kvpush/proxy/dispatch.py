@@ -34,11 +34,15 @@ from kvpush.transfer.receiver import PrefillAddress
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI-style stream
+# How long a complete stream's connection may take to reach its chunked end before it is
+# closed instead of reused: vLLM's server writes that end right after [DONE].
+REUSE_WAIT_S = 1.0
 MAX_PREFILL_TRIES = 2  # the first engine and one other; then decode computes the prompt
 
 
 class Content(Protocol):
     def iter_any(self) -> AsyncIterator[bytes]: ...
+    async def read(self) -> bytes: ...
 
 
 class DecodeResponse(Protocol):
@@ -95,6 +99,7 @@ class Dispatcher:
     ) -> None:
         self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
         self.abandoner = abandoner
+        self._reusing: set[asyncio.Task] = set()
 
     async def dispatch(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
         """The answer, or a ProxyError naming what failed (upstream errors mapped to 502/504)."""
@@ -338,7 +343,7 @@ class Dispatcher:
 
         def finish(finished: bool) -> None:
             if finished and not ends:
-                d_resp.release()
+                self._reuse(d_resp)
             else:
                 d_resp.close()
                 abandon()
@@ -362,6 +367,30 @@ class Dispatcher:
             finish(True)
             return Answer(trace, data)
         return Answer(trace, None, data, d_resp, finish)
+
+    def _reuse(self, d_resp: DecodeResponse) -> None:
+        """Give a complete stream's connection back to the pool once its chunked end is read.
+        The relay stops at [DONE], which comes a write before that end; aiohttp closes a
+        connection released before it, and the next decode leg would pay a TCP connect and
+        accept on the engines' cores."""
+
+        async def at_end() -> None:
+            try:
+                async with asyncio.timeout(REUSE_WAIT_S):
+                    await d_resp.content.read()
+            except BaseException:
+                d_resp.close()
+                raise
+            d_resp.release()
+
+        task = asyncio.ensure_future(at_end())
+        self._reusing.add(task)
+        task.add_done_callback(self._reused)
+
+    def _reused(self, task: asyncio.Task) -> None:
+        self._reusing.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.debug("a complete stream's connection was closed, not reused: %r", e)
 
     async def _decode_leg(
         self,

@@ -91,6 +91,14 @@ class ProxyMetrics:
             registry=r,
         )
 
+        self.connections = Gauge(
+            "kvpush_proxy_engine_connections_opened",
+            "TCP connections opened to the engine since start: in steady use, about one per "
+            "engine and concurrent request; one per request means connections are not reused",
+            ["engine", "role"],
+            registry=r,
+        )
+
     def observe_latency(self, trace: Trace) -> None:
         """A request's timeline, once, however it ended; also logged at debug level."""
         if trace.observed:
@@ -125,6 +133,7 @@ class ProxyMetrics:
         for s in pool.states:
             self.outstanding.labels(s.info.url, s.info.role).set(s.outstanding)
             self.healthy.labels(s.info.url, s.info.role).set(1 if s.healthy else 0)
+            self.connections.labels(s.info.url, s.info.role).set(s.connections_opened)
             if s.info.role == "decode":
                 self.waiting.labels(s.info.url).set(s.waiting_on_prefill)
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from functools import partial
 
 import aiohttp
 
@@ -32,6 +33,7 @@ class EnginePool:
                 self.config.request_timeout_s,
                 self.config.connect_timeout_s,
                 base_url=s.info.url,
+                on_connect=partial(self._connected, s),
             )
         await self.check_health()
         names = {tuple(s.served_models) for s in self.states if s.served_models}
@@ -49,6 +51,10 @@ class EnginePool:
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
+
+    @staticmethod
+    def _connected(state: EngineState) -> None:
+        state.connections_opened += 1
 
     def client(self, state: EngineState) -> aiohttp.ClientSession:
         return self._clients[state.info.url]
@@ -73,9 +79,11 @@ class EnginePool:
         try:
             async with client.get("/health", timeout=timeout) as r:
                 r.raise_for_status()
-            async with client.get("/v1/models", timeout=timeout) as r:
-                r.raise_for_status()
-                s.served_models = [m["id"] for m in (await r.json())["data"]]
+            if not s.healthy or s.missed_checks or not s.served_models:
+                # the names change only with a restart, which a check sees fail first
+                async with client.get("/v1/models", timeout=timeout) as r:
+                    r.raise_for_status()
+                    s.served_models = [m["id"] for m in (await r.json())["data"]]
             if not s.healthy:
                 log.info("engine %s is healthy again", s.info.url)
             s.healthy, s.error = True, ""

@@ -56,7 +56,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
     dropped by the client at a random moment. Every request that is not dropped succeeds, none
     is re-sent (no prefill engine failed), both engines end at zero KV use with no lease
     expired, and no TCP connection is left open to an engine or to the proxy (read from the
-    kernel, not from any client's pool), once keep-alive (2 s) and vLLM's own server timeout
+    kernel, not from any client's pool), once keep-alive (4 s) and vLLM's own server timeout
     (5 s) have passed, but for the one per engine the proxy's health checks keep alive. A
     failure names each failed request and its cause, with the host's TCP
     counters and the engines' last kvpush warnings."""

@@ -284,3 +284,23 @@ def test_a_json_from_vllm_bench_serve_itself_plots(engines, tiny_model, tmp_path
     summary = (tmp_path / "summary.md").read_text()
     assert "| QPS | input | output | push ms | pull ms | push/pull |" in summary
     assert "| 2 | 32 | 4 |" in summary
+
+
+def test_sequential_streams_reuse_the_proxys_connections(proxy_url):
+    """Requests one after another reuse the proxy's connection to decode. The relay stops at
+    decode's [DONE], a write before its stream's chunked end; released then, aiohttp closes the
+    connection, and each decode leg used to open one of its own (a TCP connect and accept on the
+    engines' cores). Now at most a health check in flight at the same moment needs another."""
+    url, _, decode_url = proxy_url
+    key = f'kvpush_proxy_engine_connections_opened{{engine="{decode_url}",role="decode"}}'
+
+    async def go():
+        async with session() as c:
+            await post(c, url, body(tokens(40, seed=300), 4, stream=True))
+            before = metric_samples(url)[key]
+            for i in range(8):
+                await post(c, url, body(tokens(40, seed=301 + i), 4, stream=True))
+            return before, metric_samples(url)[key]
+
+    before, after = asyncio.run(go())
+    assert after - before <= 2, f"{after - before:.0f} connections opened for 8 requests"

@@ -7,6 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from kvpush.proxy import dispatch
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.dispatch import Dispatcher, PrefillLost
 from kvpush.proxy.errors import ProxyError
@@ -25,6 +26,9 @@ class FakeContent:
                 raise chunk
             yield chunk
 
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.iter_any()])
+
 
 class FakeDecodeResponse:
     def __init__(self, status: int = 200) -> None:
@@ -34,7 +38,7 @@ class FakeDecodeResponse:
         self.closed = self.released = False
 
     async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.content.iter_any()])
+        return await self.content.read()
 
     def answer(self, *chunks: bytes) -> None:
         for chunk in (*chunks, None):
@@ -158,7 +162,8 @@ def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
 
         await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
         assert out == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
-        assert decode.released and not decode.closed and abandoner.abandoned == []
+        await until(lambda: decode.released)  # once its stream has ended: reused
+        assert not decode.closed and abandoner.abandoned == []
         await until(lambda: idle(pool))
         phases = answer.trace.phases()
         assert set(phases) == set(PHASES)  # every phase of the timeline
@@ -359,7 +364,8 @@ def test_kvpush_streams_prefills_token_first_then_decode_without_it():
         await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
         text = b"".join(out)
         assert text.count(b'"text":"A"') == 1 and b'"text":"B"' in text
-        assert text.endswith(b"data: [DONE]\n\n") and legs.decodes[0].released
+        assert text.endswith(b"data: [DONE]\n\n")
+        await until(lambda: legs.decodes[0].released)
         await until(lambda: idle(pool))
 
     asyncio.run(go())
@@ -435,6 +441,31 @@ def test_without_the_capability_or_when_turned_off_the_first_token_is_decodes(wh
 
         await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
         assert b"".join(out).count(b'"text":"A"') == 1
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+def test_a_complete_stream_whose_end_never_comes_is_closed_not_reused(monkeypatch):
+    """[DONE] relayed, but decode's stream does not end within REUSE_WAIT_S: the connection is
+    closed (a reused one could carry the rest into the next request's answer)."""
+    monkeypatch.setattr(dispatch, "REUSE_WAIT_S", 0.05)
+
+    async def go():
+        dispatcher, pool, legs, abandoner = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.decode_calls)
+        decode = legs.decodes[0]
+        decode.chunks.put_nowait(b"data: 1\n\n")
+        answer = await task
+        legs.prefills[0].set_result(b"{}")
+        decode.chunks.put_nowait(b"data: [DONE]\n\n")  # and no end after it
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        for _ in range(100):
+            if decode.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.closed and not decode.released and abandoner.abandoned == []
         await until(lambda: idle(pool))
 
     asyncio.run(go())
