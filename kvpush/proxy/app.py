@@ -24,6 +24,7 @@ from kvpush.proxy.dispatch import (
     PrefillLost,
     error_text,
     route,
+    sse_error,
 )
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
@@ -105,25 +106,37 @@ def create_app(config: ProxyConfig) -> web.Application:
     async def handle(request: web.Request, chat: bool) -> web.StreamResponse:
         trace = Trace(request.headers.get("x-request-id"))
         echo = {"X-Request-Id": trace.client_id or trace.request_id}
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | echo
+        )
+
+        async def start() -> None:
+            await response.prepare(request)  # once: later calls return at once
+
         try:
             body = check_body(await request.read(), pool.models(), config.mode, chat)
             auth = request.headers.get("authorization")
             headers = forward_headers(auth, config) | {"X-Request-Id": trace.request_id}
-            answer = await dispatcher.dispatch(body, chat, headers, trace)
+            answer = await dispatcher.dispatch(body, chat, headers, trace, start)
         except ProxyError as e:
             metrics.requests.labels(config.mode, str(e.status)).inc()
-            return e.response(echo)
+            if not response.prepared:
+                return e.response(echo)
+            with contextlib.suppress(ConnectionResetError):  # the stream had started
+                await response.write(sse_error(e.status, e.message))
+                await response.write_eof()
+            return response
         except asyncio.CancelledError:
             metrics.requests.labels(config.mode, "499").inc()  # the client went away
             raise
+        except ConnectionResetError:  # the client left as its stream started
+            metrics.requests.labels(config.mode, "499").inc()
+            return response
         metrics.requests.labels(config.mode, "200").inc()
         if answer.body is not None:
             return web.Response(body=answer.body, headers=_JSON | echo)
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"} | echo
-        )
         with contextlib.suppress(ConnectionResetError):  # the client left mid-stream
-            await dispatcher.relay(answer, lambda: response.prepare(request), response.write)
+            await dispatcher.relay(answer, start, response.write)
             await response.write_eof()
         return response
 

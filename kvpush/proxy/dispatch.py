@@ -66,6 +66,9 @@ class Legs(Protocol):
         """Decode's response, once its headers are in."""
 
 
+Accept = Callable[[], Awaitable[Any]]  # see Dispatcher.dispatch
+
+
 class PrefillLost(Exception):
     """The prefill engine failed (connection lost or refused, or a 5xx) before the client got a
     byte: the request can be sent elsewhere."""
@@ -101,13 +104,20 @@ class Dispatcher:
         self.abandoner = abandoner
         self._reusing: set[asyncio.Task] = set()
 
-    async def dispatch(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
-        """The answer, or a ProxyError naming what failed (upstream errors mapped to 502/504)."""
+    async def dispatch(
+        self, body: dict, chat: bool, headers: dict, trace: Trace, accept: Accept | None = None
+    ) -> Answer:
+        """The answer, or a ProxyError naming what failed (upstream errors mapped to 502/504).
+
+        `accept` (streamed requests): awaited once decode has accepted the request (its 200
+        headers), before its first token; the caller sends the client's response headers
+        then, so that the first token later leaves in one write. A failure after that must
+        reach the client as an error event in the stream (see `sse_error`)."""
         try:
             try:
                 if self.config.mode == "push":
-                    return await self._push(body, chat, headers, trace)
-                return await self._pull(body, chat, headers, trace)
+                    return await self._push(body, chat, headers, trace, accept)
+                return await self._pull(body, chat, headers, trace, accept)
             except BaseException as e:
                 trace.status = f"failed: {type(e).__name__}"
                 self.metrics.observe_latency(trace)
@@ -121,7 +131,9 @@ class Dispatcher:
         except (aiohttp.ClientError, PrefillLost) as e:
             raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
 
-    async def _push(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
+    async def _push(
+        self, body: dict, chat: bool, headers: dict, trace: Trace, accept: Accept | None
+    ) -> Answer:
         tokens = estimate_prompt_tokens(body, chat)
         decode = self.pool.pick("decode", tokens)
         tried: list[EngineState] = []
@@ -130,11 +142,13 @@ class Dispatcher:
             if prefill is None:
                 break
             try:
-                return await self._push_once(prefill, decode, body, chat, headers, trace, tokens)
+                return await self._push_once(
+                    prefill, decode, body, chat, headers, trace, tokens, accept
+                )
             except PrefillLost as e:
                 tried.append(prefill)
                 self._rerouted(trace, prefill, e)
-        return await self._local(decode, body, chat, headers, trace, tokens)
+        return await self._local(decode, body, chat, headers, trace, tokens, accept)
 
     async def _push_once(
         self,
@@ -145,6 +159,7 @@ class Dispatcher:
         headers: dict,
         trace: Trace,
         tokens: int,
+        accept: Accept | None,
     ) -> Answer:
         transfer_id = trace.transfer_id = uuid.uuid4().hex
         info = prefill.info
@@ -186,7 +201,7 @@ class Dispatcher:
 
         return await self._from_decode(
             decode, body | {"kv_transfer_params": d_params}, chat, headers, trace, tokens,
-            p_task, abandon, early=self.first_token_early(decode, body),
+            p_task, abandon, early=self.first_token_early(decode, body), accept=accept,
         )  # fmt: skip
 
     def first_token_early(self, decode: EngineState, body: dict) -> bool:
@@ -198,7 +213,9 @@ class Dispatcher:
             and bool(body.get("stream"))
         )
 
-    async def _pull(self, body: dict, chat: bool, headers: dict, trace: Trace) -> Answer:
+    async def _pull(
+        self, body: dict, chat: bool, headers: dict, trace: Trace, accept: Accept | None
+    ) -> Answer:
         tokens = estimate_prompt_tokens(body, chat)
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:
@@ -229,12 +246,21 @@ class Dispatcher:
             decode = self.pool.pick("decode", tokens)
             self.pool.acquire(decode, tokens)
             d_body = body | {"kv_transfer_params": params}
-            return await self._from_decode(decode, d_body, chat, headers, trace, tokens)
+            return await self._from_decode(
+                decode, d_body, chat, headers, trace, tokens, accept=accept
+            )
         decode = self.pool.pick("decode", tokens)
-        return await self._local(decode, body, chat, headers, trace, tokens)
+        return await self._local(decode, body, chat, headers, trace, tokens, accept)
 
     async def _local(
-        self, decode: EngineState, body: dict, chat: bool, headers: dict, trace: Trace, tokens: int
+        self,
+        decode: EngineState,
+        body: dict,
+        chat: bool,
+        headers: dict,
+        trace: Trace,
+        tokens: int,
+        accept: Accept | None,
     ) -> Answer:
         """No prefill engine is left: decode computes the prompt itself."""
         trace.reroutes.append("decode")
@@ -243,7 +269,7 @@ class Dispatcher:
         headers = headers | {"X-Request-Id": trace.dispatch_id}
         self.pool.acquire(decode, tokens)
         trace.mark("legs_sent")
-        return await self._from_decode(decode, body, chat, headers, trace, tokens)
+        return await self._from_decode(decode, body, chat, headers, trace, tokens, accept=accept)
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
         log.warning(
@@ -279,6 +305,7 @@ class Dispatcher:
         p_task: asyncio.Future | None = None,
         abandon: Callable[[], None] = lambda: None,
         early: bool = False,
+        accept: Accept | None = None,
     ) -> Answer:
         """Decode's headers, then its first chunk or whole answer; a prefill failure before
         that wins, closes decode's leg and is raised.
@@ -314,7 +341,7 @@ class Dispatcher:
                     # always went out first.) Here, a cancel meanwhile abandons both legs.
                     await asyncio.sleep(0)
                 data = await self._decode_leg(
-                    decode, chat, d_body, headers, trace, hold, read=not early
+                    decode, chat, d_body, headers, trace, hold, not early, accept
                 )
             except asyncio.CancelledError:
                 if interrupted and me.uncancel() == 0:
@@ -401,14 +428,18 @@ class Dispatcher:
         trace: Trace,
         hold: list[DecodeResponse],
         read: bool = True,
+        accept: Accept | None = None,
     ) -> bytes:
         """Decode's first chunk (streamed) or whole answer, or with `read` False nothing
-        beyond its headers; its response goes into `hold`."""
+        beyond its headers; its response goes into `hold`. A streamed request accepted by
+        decode is `accept`ed before its first chunk is read."""
         d_resp = await self.legs.decode(decode, chat, d_body, headers)
         hold.append(d_resp)
         trace.mark("decode_headers")
         if d_resp.status != 200:
             raise decode_error(decode, d_resp.status, await d_resp.read(), trace.transfer_id)
+        if accept is not None and d_body.get("stream"):
+            await accept()
         if not read:
             return b""
         if not d_body.get("stream"):

@@ -44,7 +44,7 @@ from kvpush.asgi import (
 )
 from kvpush.proxy.app import HttpLegs, check_request, describe, forward_headers, parse_json
 from kvpush.proxy.config import EngineState, ProxyConfig, load_file
-from kvpush.proxy.dispatch import Dispatcher, PrefillLost, error_text, route
+from kvpush.proxy.dispatch import Dispatcher, PrefillLost, error_text, route, sse_error
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
@@ -192,16 +192,38 @@ class FrontEnd:
         trace = Trace(header(scope, b"x-request-id"))
         echo = [(b"x-request-id", (trace.client_id or trace.request_id).encode())]
         config = self.config
+        stream_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        started = False
+
+        async def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": stream_headers + echo}
+                )
+
+        async def write(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        async def end() -> None:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
         try:
             await self._start()
             check_request(body, self.pool.models(), config.mode, chat)
             auth = forward_headers(header(scope, b"authorization"), config)
             headers = auth | {"X-Request-Id": trace.request_id}
             answer = await _until_disconnect(
-                receive, self.dispatcher.dispatch(body, chat, headers, trace)
+                receive, self.dispatcher.dispatch(body, chat, headers, trace, start)
             )
         except ProxyError as e:
             self.metrics.requests.labels(config.mode, str(e.status)).inc()
+            if started:  # the stream had started: the error ends it
+                with contextlib.suppress(OSError, ClientGone):
+                    await write(sse_error(e.status, e.message))
+                    await end()
+                return
             extra = [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
             await respond(send, e.status, msgspec.json.encode(e.body()), echo + extra)
             return
@@ -212,19 +234,9 @@ class FrontEnd:
         if answer.body is not None:
             await respond(send, 200, answer.body, echo)
             return
-        stream_headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-
-        async def start() -> None:
-            await send(
-                {"type": "http.response.start", "status": 200, "headers": stream_headers + echo}
-            )
-
-        async def write(data: bytes) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
         with contextlib.suppress(OSError, ClientGone):  # the client left mid-stream
             await _until_disconnect(receive, self.dispatcher.relay(answer, start, write))
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await end()
 
     async def _own_route(self, path: str, send: Send) -> None:
         if path == "/kvpush/metrics":

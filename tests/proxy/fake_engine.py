@@ -1,6 +1,7 @@
 """A fake vLLM engine, only to inject faults a real engine cannot produce on demand: a hung
-upstream, a 400 or 500 on demand, a 500 in the middle of a stream, a slow first byte, a stream
-that never ends. The happy paths run against real engines (tests/e2e/test_proxy.py)."""
+upstream, a 400 or 500 on demand (or a 400 that comes late), a 500 in the middle of a stream, a
+slow first byte, a stream whose first chunk comes late, a stream that never ends. The happy
+paths run against real engines (tests/e2e/test_proxy.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
                 await asyncio.sleep(0.05)
             app.state.disconnected += 1
             return JSONResponse({}, 499)
+        if behavior == "400-late":  # after the other engine has accepted its leg
+            await asyncio.sleep(0.3)
+            behavior = "400"
         if behavior in ("500", "400"):
             return JSONResponse({"error": {"message": "boom"}}, int(behavior))
         if behavior == "slow":
@@ -56,6 +60,17 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
 
         if behavior == "endless":
             return StreamingResponse(endless(), media_type="text/event-stream")
+
+        async def late():  # accepted at once (the headers), its first chunk 2 s later
+            try:
+                await asyncio.sleep(2.0)
+                yield f"data: {json.dumps({'choices': [{'text': 'late'}]})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                app.state.stream_closed = True
+
+        if behavior == "late-first-chunk":
+            return StreamingResponse(late(), media_type="text/event-stream")
 
         async def events():
             for i in range(3):

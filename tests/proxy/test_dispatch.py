@@ -469,3 +469,57 @@ def test_a_complete_stream_whose_end_never_comes_is_closed_not_reused(monkeypatc
         await until(lambda: idle(pool))
 
     asyncio.run(go())
+
+
+def test_a_streamed_request_is_accepted_once_decode_has_and_before_prefills_answer():
+    """The client's headers go out when decode accepts, so that the first token later leaves
+    in one write; a request decode refuses, or one not streamed, is never accepted."""
+
+    async def go():
+        dispatcher, pool, legs, _ = make(connector="kvpush")
+        accepted: list[int] = []
+
+        async def accept() -> None:
+            accepted.append(len(legs.decodes))
+
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None), accept))
+        await until(lambda: accepted)
+        assert accepted == [1] and not legs.prefills[0].done() and not task.done()
+        legs.prefills[0].set_result(PREFILL_ANSWER % b"length")
+        answer = await task
+        assert answer.skip is not None and accepted == [1]  # once
+        legs.decodes[0].answer(decode_chunk("A"), b"data: [DONE]\n\n")
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        await until(lambda: idle(pool))
+
+        whole = STREAM | {"stream": False}
+        task = asyncio.ensure_future(dispatcher.dispatch(whole, False, {}, Trace(None), accept))
+        await until(lambda: len(legs.decodes) == 2)
+        legs.prefills[1].set_result(PREFILL_ANSWER % b"length")
+        legs.decodes[1].answer(b'{"choices": []}')
+        await task
+        assert accepted == [1]
+
+    asyncio.run(go())
+
+
+def test_a_prefill_400_after_decode_accepted_is_raised_with_both_legs_closed():
+    """The stream has started by then: the caller turns the ProxyError into an error event."""
+
+    async def go():
+        dispatcher, pool, legs, abandoner = make(connector="kvpush")
+        accepted: list[bool] = []
+
+        async def accept() -> None:
+            accepted.append(True)
+
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None), accept))
+        await until(lambda: accepted)
+        legs.prefills[0].set_exception(ProxyError(400, "prefill engine: bad"))
+        with pytest.raises(ProxyError) as err:
+            await task
+        assert err.value.status == 400 and len(legs.prefill_calls) == 1
+        assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())

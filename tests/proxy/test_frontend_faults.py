@@ -11,6 +11,7 @@ import httpx
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.frontend import FrontEnd
 from tests.proxy.fake_engine import fake_engine
+from tests.proxy.test_proxy_faults import wait_for
 from tests.servers import free_port, metric_samples, run_server
 
 
@@ -66,6 +67,19 @@ def test_a_prefill_400_is_returned_as_it_is():
     with front_end(fake_engine("tiny", "400")) as (url, _):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert r.status_code == 400 and "boom" in r.json()["error"]["message"]
+
+
+def test_a_prefill_400_after_decode_accepted_ends_the_stream_with_an_error_event():
+    """As through the proxy: the client's 200 headers went out when decode accepted."""
+    with front_end(fake_engine("tiny", "400-late"), "late-first-chunk") as (url, d_app):
+        body = {"prompt": "hi", "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        assert '"code":400' in text and "boom" in text and text.endswith("data: [DONE]\n\n")
+        wait_for(lambda: d_app.state.stream_closed, "decode's leg not closed")
+        status = httpx.get(url + "/kvpush/status").json()
+        assert all(e["outstanding"] == 0 for e in status["engines"])
 
 
 def test_a_proxys_leg_and_the_off_header_reach_the_engine_untouched():

@@ -86,15 +86,35 @@ def test_push_legs_carry_the_params_and_prefill_makes_one_token():
         assert d_body["max_tokens"] == 9
 
 
-def test_a_prefill_400_is_returned_as_it_is_and_cancels_decode():
-    """The request itself was bad: it is not re-sent anywhere."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_400_is_returned_as_it_is_and_cancels_decode(stream):
+    """The request itself was bad: it is not re-sent anywhere. Decode has not accepted it, so
+    a streamed request gets the 400 too."""
     with proxied(prefill_behavior="400", decode_behavior="hang") as (url, p_app, d_app):
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10)
+        body = {"prompt": "hi", "stream": stream}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=10)
         assert r.status_code == 400 and "prefill engine" in r.json()["error"]["message"]
         assert len(p_app.state.requests) == 1 and len(d_app.state.requests) <= 1
         # decode's leg was closed, before or after it reached decode
         time.sleep(0.3)
         wait_for(lambda: d_app.state.disconnected == len(d_app.state.requests), "leg not closed")
+        status = httpx.get(url + "/status").json()
+        assert all(e["outstanding"] == 0 for e in status["engines"])
+
+
+def test_a_prefill_400_after_decode_accepted_ends_the_stream_with_an_error_event():
+    """Decode accepted the streamed request (its headers), so the client's 200 headers went
+    out: prefill's 400, later, ends the stream as an error event naming it; decode's leg is
+    closed and nothing is held."""
+    behaviors = {"prefill_behavior": "400-late", "decode_behavior": "late-first-chunk"}
+    with proxied(**behaviors) as (url, p_app, d_app):
+        body = {"prompt": "hi", "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        assert '"code":400' in text and "prefill engine" in text and "boom" in text
+        assert text.endswith("data: [DONE]\n\n") and "late" not in text
+        wait_for(lambda: d_app.state.stream_closed, "decode's leg not closed")
         status = httpx.get(url + "/status").json()
         assert all(e["outstanding"] == 0 for e in status["engines"])
 
