@@ -214,11 +214,21 @@ def test_with_no_prefill_left_decode_computes_the_prompt_itself():
     asyncio.run(go())
 
 
-def test_a_4xx_from_prefill_is_not_re_sent():
+@pytest.mark.parametrize("accepted", [False, True], ids=["before-decode-accepted", "after"])
+def test_a_4xx_from_prefill_is_not_re_sent(accepted):
+    """Raised with both legs closed. After decode accepted the request the stream has
+    started: the caller turns the ProxyError into an error event."""
+
     async def go():
         dispatcher, pool, legs, abandoner = make()
-        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
-        await until(lambda: len(legs.prefills) == 1 and legs.decodes)
+        accepts: list[bool] = []
+
+        async def accept() -> None:
+            accepts.append(True)
+
+        call = dispatcher.dispatch(STREAM, False, {}, Trace(None), accept if accepted else None)
+        task = asyncio.ensure_future(call)
+        await until(lambda: len(legs.prefills) == 1 and (accepts if accepted else legs.decodes))
         legs.prefills[0].set_exception(ProxyError(400, "prompt too long"))
         with pytest.raises(ProxyError) as err:
             await task
@@ -499,27 +509,5 @@ def test_a_streamed_request_is_accepted_once_decode_has_and_before_prefills_answ
         legs.decodes[1].answer(b'{"choices": []}')
         await task
         assert accepted == [1]
-
-    asyncio.run(go())
-
-
-def test_a_prefill_400_after_decode_accepted_is_raised_with_both_legs_closed():
-    """The stream has started by then: the caller turns the ProxyError into an error event."""
-
-    async def go():
-        dispatcher, pool, legs, abandoner = make(connector="kvpush")
-        accepted: list[bool] = []
-
-        async def accept() -> None:
-            accepted.append(True)
-
-        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None), accept))
-        await until(lambda: accepted)
-        legs.prefills[0].set_exception(ProxyError(400, "prefill engine: bad"))
-        with pytest.raises(ProxyError) as err:
-            await task
-        assert err.value.status == 400 and len(legs.prefill_calls) == 1
-        assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
-        await until(lambda: idle(pool))
 
     asyncio.run(go())
