@@ -69,6 +69,21 @@ class Legs(Protocol):
 Accept = Callable[[], Awaitable[Any]]  # see Dispatcher.dispatch
 
 
+@dataclass(frozen=True)
+class Call:
+    """One client request on its way through the dispatcher, whatever legs it takes."""
+
+    body: dict
+    chat: bool
+    headers: dict  # for both legs; each dispatch adds its own X-Request-Id (leg_headers)
+    trace: Trace
+    tokens: int  # the prompt's estimated length: the load it puts on an engine
+    accept: Accept | None = None  # see Dispatcher.dispatch
+
+    def leg_headers(self) -> dict:
+        return self.headers | {"X-Request-Id": self.trace.dispatch_id}
+
+
 class PrefillLost(Exception):
     """The prefill engine failed (connection lost or refused, or a 5xx) before the client got a
     byte: the request can be sent elsewhere."""
@@ -115,9 +130,10 @@ class Dispatcher:
         reach the client as an error event in the stream (see `sse_error`)."""
         try:
             try:
+                call = Call(body, chat, headers, trace, estimate_prompt_tokens(body, chat), accept)
                 if self.config.mode == "push":
-                    return await self._push(body, chat, headers, trace, accept)
-                return await self._pull(body, chat, headers, trace, accept)
+                    return await self._push(call)
+                return await self._pull(call)
             except BaseException as e:
                 trace.status = f"failed: {type(e).__name__}"
                 self.metrics.observe_latency(trace)
@@ -131,36 +147,22 @@ class Dispatcher:
         except (aiohttp.ClientError, PrefillLost) as e:
             raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
 
-    async def _push(
-        self, body: dict, chat: bool, headers: dict, trace: Trace, accept: Accept | None
-    ) -> Answer:
-        tokens = estimate_prompt_tokens(body, chat)
-        decode = self.pool.pick("decode", tokens)
+    async def _push(self, call: Call) -> Answer:
+        decode = self.pool.pick("decode", call.tokens)
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:
-            prefill = self.pool.pick_healthy("prefill", tokens, exclude=tried)
+            prefill = self.pool.pick_healthy("prefill", call.tokens, exclude=tried)
             if prefill is None:
                 break
             try:
-                return await self._push_once(
-                    prefill, decode, body, chat, headers, trace, tokens, accept
-                )
+                return await self._push_once(prefill, decode, call)
             except PrefillLost as e:
                 tried.append(prefill)
-                self._rerouted(trace, prefill, e)
-        return await self._local(decode, body, chat, headers, trace, tokens, accept)
+                self._rerouted(call.trace, prefill, e)
+        return await self._local(decode, call)
 
-    async def _push_once(
-        self,
-        prefill: EngineState,
-        decode: EngineState,
-        body: dict,
-        chat: bool,
-        headers: dict,
-        trace: Trace,
-        tokens: int,
-        accept: Accept | None,
-    ) -> Answer:
+    async def _push_once(self, prefill: EngineState, decode: EngineState, call: Call) -> Answer:
+        body, chat, trace, tokens = call.body, call.chat, call.trace, call.tokens
         transfer_id = trace.transfer_id = uuid.uuid4().hex
         info = prefill.info
         p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
@@ -177,7 +179,7 @@ class Dispatcher:
             if chat
             else f"cmpl-{trace.dispatch_id}-0",
         }
-        headers = headers | {"X-Request-Id": trace.dispatch_id}
+        headers = call.leg_headers()
         pool = self.pool
         pool.acquire(prefill, tokens)
         pool.acquire(decode, tokens, waiting=True)
@@ -200,8 +202,8 @@ class Dispatcher:
                 self.abandoner.abandon(address, transfer_id, "request ended")
 
         return await self._from_decode(
-            decode, body | {"kv_transfer_params": d_params}, chat, headers, trace, tokens,
-            p_task, abandon, early=self.first_token_early(decode, body), accept=accept,
+            decode, body | {"kv_transfer_params": d_params}, headers, call,
+            p_task, abandon, early=self.first_token_early(decode, body),
         )  # fmt: skip
 
     def first_token_early(self, decode: EngineState, body: dict) -> bool:
@@ -213,17 +215,15 @@ class Dispatcher:
             and bool(body.get("stream"))
         )
 
-    async def _pull(
-        self, body: dict, chat: bool, headers: dict, trace: Trace, accept: Accept | None
-    ) -> Answer:
-        tokens = estimate_prompt_tokens(body, chat)
+    async def _pull(self, call: Call) -> Answer:
+        body, chat, trace, tokens = call.body, call.chat, call.trace, call.tokens
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:
             prefill = self.pool.pick_healthy("prefill", tokens, exclude=tried)
             if prefill is None:
                 break
             p_body = prefill_body(body, chat, {"do_remote_decode": True})
-            headers = headers | {"X-Request-Id": trace.dispatch_id}
+            headers = call.leg_headers()
             self.pool.acquire(prefill, tokens)
             trace.mark("legs_sent")
             try:
@@ -246,30 +246,19 @@ class Dispatcher:
             decode = self.pool.pick("decode", tokens)
             self.pool.acquire(decode, tokens)
             d_body = body | {"kv_transfer_params": params}
-            return await self._from_decode(
-                decode, d_body, chat, headers, trace, tokens, accept=accept
-            )
-        decode = self.pool.pick("decode", tokens)
-        return await self._local(decode, body, chat, headers, trace, tokens, accept)
+            return await self._from_decode(decode, d_body, headers, call)
+        return await self._local(self.pool.pick("decode", tokens), call)
 
-    async def _local(
-        self,
-        decode: EngineState,
-        body: dict,
-        chat: bool,
-        headers: dict,
-        trace: Trace,
-        tokens: int,
-        accept: Accept | None,
-    ) -> Answer:
+    async def _local(self, decode: EngineState, call: Call) -> Answer:
         """No prefill engine is left: decode computes the prompt itself."""
+        trace = call.trace
         trace.reroutes.append("decode")
         trace.transfer_id = ""
         self.metrics.rerouted.labels("decode").inc()
-        headers = headers | {"X-Request-Id": trace.dispatch_id}
-        self.pool.acquire(decode, tokens)
+        headers = call.leg_headers()
+        self.pool.acquire(decode, call.tokens)
         trace.mark("legs_sent")
-        return await self._from_decode(decode, body, chat, headers, trace, tokens, accept=accept)
+        return await self._from_decode(decode, call.body, headers, call)
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
         log.warning(
@@ -298,14 +287,11 @@ class Dispatcher:
         self,
         decode: EngineState,
         d_body: dict,
-        chat: bool,
         headers: dict,
-        trace: Trace,
-        tokens: int,
+        call: Call,
         p_task: asyncio.Future | None = None,
         abandon: Callable[[], None] = lambda: None,
         early: bool = False,
-        accept: Accept | None = None,
     ) -> Answer:
         """Decode's headers, then its first chunk or whole answer; a prefill failure before
         that wins, closes decode's leg and is raised.
@@ -316,6 +302,7 @@ class Dispatcher:
         No task of its own: the leg runs in the caller's task, and a prefill failure cancels
         that task from a callback (as asyncio.timeout does), told apart from a cancellation by
         the client with `uncancel`."""
+        chat, trace, tokens = call.chat, call.trace, call.tokens
         me = asyncio.current_task()
         assert me is not None
         hold: list[DecodeResponse] = []
@@ -341,7 +328,7 @@ class Dispatcher:
                     # always went out first.) Here, a cancel meanwhile abandons both legs.
                     await asyncio.sleep(0)
                 data = await self._decode_leg(
-                    decode, chat, d_body, headers, trace, hold, not early, accept
+                    decode, chat, d_body, headers, trace, hold, not early, call.accept
                 )
             except asyncio.CancelledError:
                 if interrupted and me.uncancel() == 0:
