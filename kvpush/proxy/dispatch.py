@@ -327,9 +327,7 @@ class Dispatcher:
                     # (Without this yield decode's request, built and sent in this task,
                     # always went out first.) Here, a cancel meanwhile abandons both legs.
                     await asyncio.sleep(0)
-                data = await self._decode_leg(
-                    decode, chat, d_body, headers, trace, hold, not early, call.accept
-                )
+                data = await self._decode_leg(decode, d_body, headers, call, hold, not early)
             except asyncio.CancelledError:
                 if interrupted and me.uncancel() == 0:
                     raise interrupted[0] from None
@@ -409,24 +407,22 @@ class Dispatcher:
     async def _decode_leg(
         self,
         decode: EngineState,
-        chat: bool,
         d_body: dict,
         headers: dict,
-        trace: Trace,
+        call: Call,
         hold: list[DecodeResponse],
         read: bool = True,
-        accept: Accept | None = None,
     ) -> bytes:
         """Decode's first chunk (streamed) or whole answer, or with `read` False nothing
         beyond its headers; its response goes into `hold`. A streamed request accepted by
         decode is `accept`ed before its first chunk is read."""
-        d_resp = await self.legs.decode(decode, chat, d_body, headers)
+        d_resp = await self.legs.decode(decode, call.chat, d_body, headers)
         hold.append(d_resp)
-        trace.mark("decode_headers")
+        call.trace.mark("decode_headers")
         if d_resp.status != 200:
-            raise decode_error(decode, d_resp.status, await d_resp.read(), trace.transfer_id)
-        if accept is not None and d_body.get("stream"):
-            await accept()
+            raise decode_error(decode, d_resp.status, await d_resp.read(), call.trace.transfer_id)
+        if call.accept is not None and d_body.get("stream"):
+            await call.accept()
         if not read:
             return b""
         if not d_body.get("stream"):
