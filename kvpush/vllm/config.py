@@ -35,7 +35,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
     endpoint_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = DEFAULT_ENDPOINT_NICE
     early_source: bool | Literal["auto"] = True
-    prepare_ahead: bool = True
+    prepare_ahead: bool | Literal["auto"] = "auto"
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = DEFAULT_IDLE_WAIT_S
     staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
     staging_min_descs: Annotated[int, msgspec.Meta(ge=1)] = 512
@@ -71,7 +71,12 @@ class ConnectorConfig:
     early_source: bool = True
     # prefill: when vLLM schedules a request's last prompt tokens, the workers make its
     # push's WRITE to each registered decode rank ready (copy plan, NIXL transfer) while the
-    # engine computes them, so that the push only posts it (PrefillEndpoint.prepare)
+    # engine computes them, so that the push only posts it (PrefillEndpoint.prepare).
+    # "auto" (the default): on where the engine runs on a GPU. vLLM hands a step's connector
+    # metadata to the workers after the forward is launched; on a GPU that is while the
+    # kernels run, on CPU the forward is synchronous, so the WRITE would be made ready only
+    # after the compute, holding the worker's main thread (docs/architecture.md, "Made ready
+    # ahead")
     prepare_ahead: bool = True
     # a step that schedules no tokens, while this worker has a transfer in flight: the
     # worker waits (in wait_for_save) until one completes, at most this long, instead of
@@ -139,5 +144,14 @@ class ConnectorConfig:
             "backends": tuple(extra.backends),
             "side_channel_port": port,
             "early_source": extra.early_source in (True, "auto"),
+            "prepare_ahead": _on_gpu(vllm_config)
+            if extra.prepare_ahead == "auto"
+            else extra.prepare_ahead,
         }
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
+
+
+def _on_gpu(vllm_config: Any) -> bool:
+    """Whether the engine computes on an accelerator (its forward returns before the compute
+    ends), not on the CPU."""
+    return vllm_config.device_config.device_type != "cpu"

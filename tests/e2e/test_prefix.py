@@ -19,8 +19,10 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def rpair(tiny_model):
     # early_source off: every push here starts from the worker's push(), one engine step
-    # after vLLM finished the request (the other pairs start theirs from SOURCE)
-    engines = start(*pair_specs(str(tiny_model), 64, 32, early_source=False))
+    # after vLLM finished the request (the other pairs start theirs from SOURCE).
+    # prepare_ahead on, as on a GPU (off by default on CPU): its path is tested here
+    specs = pair_specs(str(tiny_model), 64, 32, early_source=False, prepare_ahead=True)
+    engines = start(*specs)
     yield as_pair(*engines)
     for e in engines:
         e.stop()
@@ -67,11 +69,12 @@ def test_full_hit_frees_prefill_at_once(rpair, mono_url):
     assert took < 2.0
 
 
-def test_a_push_posts_the_write_made_ready_while_prefill_computed(rpair, mono_url):
+def test_a_push_posts_the_write_made_ready_ahead(rpair, mono_url):
     """Decode registers first (prefill's leg is sent 0.2 s later), so when prefill's
     scheduler schedules the whole prompt (prepare_ahead) the worker's endpoint makes the
-    WRITE ready while the engine computes, and the push only posts it: every one of these
-    pushes records the phase "ready_ahead". The answers are a plain engine's."""
+    WRITE ready with that step (on CPU, after its forward; on a GPU, while it runs), and the
+    push only posts it: every one of these pushes records the phase "ready_ahead". The
+    answers are a plain engine's."""
 
     def readied() -> float:
         samples = metric_samples(rpair.prefill_url).items()

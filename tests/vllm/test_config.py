@@ -14,11 +14,19 @@ from kvpush.vllm.firsttoken import FQCN, FirstTokenProcessor
 
 
 def vllm_config(
-    role="kv_producer", pp=1, mla=False, hybrid=False, extra=None, engine_id="p0", procs=(FQCN,)
+    role="kv_producer",
+    pp=1,
+    mla=False,
+    hybrid=False,
+    extra=None,
+    engine_id="p0",
+    procs=(FQCN,),
+    device="cuda",
 ):
     kv = SimpleNamespace(kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra or {})
     return SimpleNamespace(
         kv_transfer_config=kv,
+        device_config=SimpleNamespace(device_type=device),
         parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
         model_config=SimpleNamespace(
             use_mla=mla, is_hybrid=hybrid, model="m", logits_processors=list(procs)
@@ -105,3 +113,20 @@ def test_decode_accepts_the_first_token_processor_by_name_or_class():
     assert FIRST_TOKEN_PROCESSOR == FQCN  # what kvpush serve passes is what the check wants
     for procs in ((FQCN,), (FirstTokenProcessor,), ("other:Proc", FQCN)):
         assert not ConnectorConfig.from_vllm(vllm_config("kv_consumer", procs=procs)).is_prefill
+
+
+@pytest.mark.parametrize(
+    "device, extra, on",
+    [
+        ("cuda", {}, True),
+        ("cpu", {}, False),  # vLLM's CPU forward ends before the workers get the Prepare
+        ("cpu", {"prepare_ahead": "auto"}, False),
+        ("cpu", {"prepare_ahead": True}, True),
+        ("cuda", {"prepare_ahead": False}, False),
+    ],
+)
+def test_prepare_ahead_is_on_where_the_engine_computes_on_a_gpu(device, extra, on):
+    cfg = ConnectorConfig.from_vllm(vllm_config(extra=extra, device=device))
+    assert cfg.prepare_ahead is on
+    with pytest.raises(ValueError, match="extra_config.prepare_ahead"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"prepare_ahead": "sometimes"}))
