@@ -52,7 +52,7 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         args.output_tokens,
         tuple(args.vllm_arg),
         args.pin_cores,
-        json.loads(args.connector_extra),
+        args.connector_extra,
         args.qps,
     )
 
@@ -90,6 +90,7 @@ def _up(args: argparse.Namespace) -> int:
         pin_cores=args.pin_cores,
         first_token=args.first_token,
         front_end=args.front_end,
+        connector_extra=args.connector_extra,
     )
 
 
@@ -103,6 +104,35 @@ def _demo(args: argparse.Namespace) -> int:
     from kvpush.launch import demo
 
     return demo.main()
+
+
+def connector_extra(text: str) -> dict:
+    """--connector-extra: a JSON object of kvpush's settings (kv_connector_extra_config),
+    checked before anything starts."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    if value:  # the settings' own checks import vLLM: only when there are some
+        from kvpush.vllm.config import read_extra
+
+        try:
+            read_extra(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def connector_extra_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--connector-extra",
+        type=connector_extra,
+        default="{}",
+        metavar="JSON",
+        help="kvpush engines: JSON merged into kv_connector_extra_config",
+    )
 
 
 def pin_flag(parser: argparse.ArgumentParser) -> None:
@@ -166,9 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="an argument for every engine, e.g. --vllm-arg=--distributed-executor-backend=uni",
     )
-    bttft.add_argument(
-        "--connector-extra", default="{}", help="JSON merged into kvpush's extra config"
-    )
+    connector_extra_flag(bttft)
     pin_flag(bttft)
     bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
@@ -197,9 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument(
         "--vllm-arg", action="append", default=[], help="an argument for every engine started"
     )
-    bserve.add_argument(
-        "--connector-extra", default="{}", help="JSON merged into kvpush's extra config"
-    )
+    connector_extra_flag(bserve)
     pin_flag(bserve)
     bserve.set_defaults(func=_bench_serve)
 
@@ -268,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvpush: each prefill engine also takes clients' requests itself, no proxy between "
         "(docs/architecture.md, 'The front end'); the proxy still runs",
     )
+    connector_extra_flag(up)
     pin_flag(up)
     up.set_defaults(func=_up)
 

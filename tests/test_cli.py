@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -55,6 +56,7 @@ def test_bench_serve_refuses_bad_input_before_starting_anything(tmp_path):
         (["--url", "http://127.0.0.1:9"], "--url needs --mode NAME"),
         (["--connectors", "kvpush,magic"], "unknown connectors ['magic']"),
         (["--num-prompts", "0"], "--num-prompts and --iterations must be >= 1"),
+        (["--connector-extra", "{fast"], "argument --connector-extra: not JSON"),
     ]
     for args, message in cases:
         out = tmp_path / "results"
@@ -66,3 +68,35 @@ def test_bench_serve_refuses_bad_input_before_starting_anything(tmp_path):
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr, proc.stderr
         assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--connector-extra", "{fast"], "argument --connector-extra: not JSON"),
+        (["--connector-extra", "[1]"], "argument --connector-extra: must be a JSON object"),
+        (
+            ["--connector-extra", '{"prepare_ahaed": true}'],
+            "unknown field `prepare_ahaed` (known: backends,",
+        ),
+        (
+            ["--connector-extra", '{"fast_poll_s": "soon"}'],
+            "kv_connector_extra_config.fast_poll_s",
+        ),
+        (
+            ["--connector", "nixl-pull", "--connector-extra", '{"fast_poll_s": 0}'],
+            "--connector-extra sets kvpush's own engines; --connector nixl-pull has none",
+        ),
+    ],
+)
+def test_up_refuses_bad_connector_settings_before_starting_anything(tmp_path, args, message):
+    """Checked against kvpush's own settings before any engine starts: the state file a
+    started stack writes is never made."""
+    env = os.environ | {"KVPUSH_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpush.cli", "up", *args],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+    assert message in proc.stdout + proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -193,16 +193,6 @@ def main(args: object) -> int:
         )
         if args.num_prompts < 1 or args.iterations < 1:
             raise ValueError("--num-prompts and --iterations must be >= 1")
-        try:
-            connector_extra = json.loads(args.connector_extra)
-        except ValueError as e:
-            raise ValueError(
-                f"--connector-extra is not JSON ({e}): {args.connector_extra!r}"
-            ) from None
-        if not isinstance(connector_extra, dict):
-            raise ValueError(
-                f"--connector-extra must be a JSON object, got {args.connector_extra!r}"
-            )
     except ValueError as e:
         print(f"kvpush bench serve: {e}", file=sys.stderr)
         return 2
@@ -227,6 +217,7 @@ def main(args: object) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or str(tinymodel.ensure())
     engine_kw = {"extra_args": tuple(args.vllm_arg), "pin_cores": args.pin_cores}
+    connector_extra = args.connector_extra  # checked by the argument parser
     for mode in modes:
         print(f"kvpush bench serve: bringing up {mode} {engine_kw}", flush=True)
         stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", connector_extra, **engine_kw)

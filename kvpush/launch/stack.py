@@ -186,9 +186,13 @@ def up(
     pin_cores: bool = True,
     first_token: bool = True,
     front_end: bool = False,
+    connector_extra: dict | None = None,
 ) -> int:
     from kvpush.launch import tinymodel
 
+    if connector_extra and connector != "kvpush":
+        print(f"--connector-extra sets kvpush's own engines; --connector {connector} has none")
+        return 2
     if state_file().exists():
         pgids = json.loads(state_file().read_text()).get("pgids", [])
         if any(group_alive(pgid) for pgid in pgids):
@@ -196,7 +200,10 @@ def up(
             return 1
         state_file().unlink()  # left by a stack that died without cleaning up
     model = model or str(tinymodel.ensure())
-    specs = stack_specs(model, connector, num_prefill, num_decode, pin_cores=pin_cores)
+    specs = stack_specs(
+        model, connector, num_prefill, num_decode, pin_cores=pin_cores,
+        connector_extra=connector_extra or {},
+    )  # fmt: skip
     log_dir = SETTINGS.cache_dir / "logs"
     print(
         f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",

@@ -129,13 +129,7 @@ class ConnectorConfig:
                     f"start vLLM with --logits-processors {firsttoken.FQCN} "
                     "(kvpush serve does)"
                 )
-        try:
-            extra = msgspec.convert(dict(kv.kv_connector_extra_config or {}), ExtraConfig)
-        except msgspec.ValidationError as e:
-            message = validation_error(e, "kv_connector_extra_config")
-            if "unknown field" in message:
-                message += f" (known: {', '.join(ExtraConfig.__struct_fields__)})"
-            raise ValueError(message) from None
+        extra = read_extra(dict(kv.kv_connector_extra_config or {}))
         is_prefill = roles[kv.kv_role]
         port = extra.side_channel_port
         if port is None:
@@ -149,6 +143,18 @@ class ConnectorConfig:
             else extra.prepare_ahead,
         }
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
+
+
+def read_extra(raw: dict) -> ExtraConfig:
+    """kv_connector_extra_config checked; a ValueError names the setting at fault (and, for
+    an unknown one, the known ones)."""
+    try:
+        return msgspec.convert(raw, ExtraConfig)
+    except msgspec.ValidationError as e:
+        message = validation_error(e, "kv_connector_extra_config")
+        if "unknown field" in message:
+            message += f" (known: {', '.join(ExtraConfig.__struct_fields__)})"
+        raise ValueError(message) from None
 
 
 def _on_gpu(vllm_config: Any) -> bool:

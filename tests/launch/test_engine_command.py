@@ -81,3 +81,32 @@ def test_up_front_end_needs_kvpush_and_starts_nothing_otherwise(capsys, tmp_path
     assert main(args) == 2
     assert "--front-end runs with --connector kvpush only" in capsys.readouterr().out
     assert not (tmp_path / "stack.json").exists()  # no stack was started
+
+
+def test_up_hands_connector_settings_to_every_kvpush_engine(tmp_path, monkeypatch):
+    """`kvpush up --connector-extra` reaches each engine's kv_connector_extra_config (the
+    stack itself is stood in for: nothing is started)."""
+    from kvpush.launch import stack
+
+    seen: list[EngineSpec] = []
+
+    class Started(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, specs, *args, **kw):
+            seen.extend(specs)
+
+        def start(self):
+            raise Started
+
+    monkeypatch.setattr(stack, "SETTINGS", replace(stack.SETTINGS, cache_dir=tmp_path))
+    monkeypatch.setattr(stack, "Stack", Recorder)
+    settings = {"fast_poll_s": 0, "prepare_ahead": True}
+    with pytest.raises(Started):
+        stack.up(str(tmp_path), "kvpush", 1, 1, 8000, True, connector_extra=settings)
+    assert [s.role for s in seen] == ["prefill", "decode"]
+    for spec in seen:
+        extra = spec.kv_transfer_config()["kv_connector_extra_config"]
+        assert extra["fast_poll_s"] == 0 and extra["prepare_ahead"] is True
+        assert extra["backends"] == ["UCX"]  # merged into kvpush's own, not instead of them
