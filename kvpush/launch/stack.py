@@ -190,6 +190,9 @@ def up(
 ) -> int:
     from kvpush.launch import tinymodel
 
+    if front_end and connector != "kvpush":
+        print(f"--front-end runs with --connector kvpush only, not {connector}")
+        return 2
     if connector_extra and connector != "kvpush":
         print(f"--connector-extra sets kvpush's own engines; --connector {connector} has none")
         return 2
@@ -209,9 +212,6 @@ def up(
         f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",
         flush=True,
     )
-    if front_end and connector != "kvpush":
-        print(f"--front-end runs with --connector kvpush only, not {connector}")
-        return 2
     proxy_args = () if first_token else ("--no-first-token",)
     stack = Stack(specs, connector, proxy_port, log_dir, proxy_args=proxy_args, front_end=front_end)
     stack.start()
