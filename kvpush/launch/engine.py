@@ -156,6 +156,11 @@ class EngineSpec:
         if self.on_cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind or DEFAULT_CPU_BIND[self.role]
+            # vllm-cpu 0.32 on torch 2.13 cannot load the model it AOT-compiled at an earlier
+            # start ("'function' object has no attribute 'finalize_loading'") and compiles it
+            # again every time: 15-50 s of each engine's start here. vLLM's other compile
+            # cache loads in about 4 s (docs/deploy.md).
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if self.front_end:
             env["KVPUSH_FRONT_END_CONFIG"] = self.front_end
         if self.connector in ("nixl-push", "nixl-pull") and self.role != "mono":
@@ -183,6 +188,7 @@ class EngineSpec:
         keys = (
             "VLLM_CPU_KVCACHE_SPACE",
             "VLLM_CPU_OMP_THREADS_BIND",
+            "VLLM_USE_AOT_COMPILE",
             "VLLM_NIXL_SIDE_CHANNEL_PORT",
             "KVPUSH_FRONT_END_CONFIG",
         )

@@ -21,6 +21,14 @@ def test_cpu_engines_run_their_whole_tree_on_their_cores():
     assert "taskset" not in replace(SPEC, pin_cores=False).command()
 
 
+def test_cpu_engines_skip_vllms_aot_compile_cache_unless_it_is_set(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert SPEC.env()["VLLM_USE_AOT_COMPILE"] == "0"
+    assert "VLLM_USE_AOT_COMPILE=0" in SPEC.env_summary()
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert SPEC.env()["VLLM_USE_AOT_COMPILE"] == "1"
+
+
 def test_serve_pins_by_default_and_no_pin_cores_turns_it_off(tmp_path):
     parser = build_parser()
     base = ["serve", "--role", "prefill", "--model", str(tmp_path)]
