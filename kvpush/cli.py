@@ -115,13 +115,12 @@ def connector_extra(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    if value:  # the settings' own checks import vLLM: only when there are some
-        from kvpush.vllm.config import read_extra
+    from kvpush.vllm.config import read_extra
 
-        try:
-            read_extra(value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+    try:
+        read_extra(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 

@@ -32,6 +32,18 @@ def test_cli_imports_nothing_heavy():
     assert run_py(code) == "[]"
 
 
+def test_connector_settings_are_checked_without_importing_vllm():
+    """`--connector-extra` is parsed at once; vLLM loads the connector from the same package."""
+    code = (
+        "import sys, kvpush.cli as c;"
+        "c.build_parser().parse_args(['up', '--connector-extra', '{\"fast_poll_s\": 0}']);"
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    assert run_py(code) == "[]"
+    code = "import kvpush.vllm as v; print(v.KVPushConnector.__module__)"
+    assert run_py(code) == "kvpush.vllm.connector"
+
+
 def test_transfer_engine_does_not_import_vllm_or_torch():
     code = (
         "import sys, kvpush.transfer.writer, kvpush.transfer.receiver;"
