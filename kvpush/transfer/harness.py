@@ -212,6 +212,12 @@ def _child(
                 held_s = time.perf_counter() - start
                 futures[id(future)] = future
                 result = (id(future), held_s)
+            elif method == "computed_after":  # computed(), its layers ready only after a
+                keys, regions, delay_s = args  # delay, as a GPU's kernels would be
+                at = time.monotonic() + delay_s
+                future = endpoint.computed(keys, regions, lambda at=at: time.monotonic() >= at)
+                futures[id(future)] = future
+                result = id(future)
             elif method == "stall":  # hold the loop thread, as a busy one would be
                 stalled = endpoint._call(time.sleep, args[0])
                 futures[id(stalled)] = stalled

@@ -66,6 +66,8 @@ class _Pending:
     num_done: int = 0
     num_expected: int | None = None  # decode ranks that will register
     failure: Failure | None = None  # set when the transfer failed while writes were on the wire
+    early: dict[str, RegisterMsg] = field(default_factory=dict)  # peer -> written layer by
+    # layer before the source came (begin()); also in `writing`
 
 
 class Matcher:
@@ -117,8 +119,23 @@ class Matcher:
         if p.source is not None:
             return [Release(key, Failure("other", f"transfer {key} already has a source"))]
         p.source, p.created_s = source, now_s
-        actions: list[Action] = [self._write(key, p, peer) for peer in list(p.regs)]
+        actions: list[Action] = [Write(key, peer, reg, source) for peer, reg in p.early.items()]
+        p.early.clear()
+        actions += [self._write(key, p, peer) for peer in list(p.regs)]
         return actions + self._maybe_finish(key, p)
+
+    def begin(self, key: TransferKey, peer: str) -> RegisterMsg | None:
+        """The writer starts writing `peer`'s registration before the source, layer by layer
+        (PrefillEndpoint.computed): from now on it is being written (a cancel is answered
+        once the writing ends, a registration sent again is refused), and the source's
+        Write for it follows. Its end comes through write_done, as any WRITE's. None:
+        `peer` has no registration of `key` to write, or the source is in."""
+        p = self._pending.get(key)
+        if p is None or p.source is not None or peer not in p.regs:
+            return None
+        p.writing.add(peer)
+        p.early[peer] = p.regs.pop(peer)
+        return p.early[peer]
 
     def register(self, peer: str, reg: RegisterMsg) -> list[Action]:
         now_s = self._clock()
@@ -157,6 +174,7 @@ class Matcher:
         if p is None or peer not in p.writing:
             return []
         p.writing.discard(peer)
+        p.early.pop(peer, None)
         actions: list[Action] = []
         if peer in p.cancel_after_write:
             p.cancel_after_write.discard(peer)
@@ -185,6 +203,7 @@ class Matcher:
         for key, p in list(self._pending.items()):
             if peer in p.regs or peer in p.writing:
                 p.regs.pop(peer, None)
+                p.early.pop(peer, None)
                 p.writing.discard(peer)
                 p.cancel_after_write.discard(peer)
                 actions += self._end(key, p, failure)

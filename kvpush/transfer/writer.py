@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, LEASE_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.layout import (
+    CopyPlan,
     KVLayout,
     descs_per_run,
     digest,
@@ -78,6 +80,33 @@ class _Hint:
     ready: dict[str, _Ahead] = field(default_factory=dict)  # by decode peer address
 
 
+@dataclass
+class _Pieces:
+    """A push to one decode rank written layer by layer: WRITEs (no notification) of the
+    regions computed so far, posted while prefill computes the rest; the push then posts
+    what is left, with the notification, once they have all completed."""
+
+    reg: wire.RegisterMsg
+    plan: CopyPlan  # the whole push's rows, as the push would post them
+    regions: np.ndarray  # the region (index into the layout's regions) of each row
+    sent: int = 0  # regions [0, sent) are posted
+    flights: list[_InFlight] = field(default_factory=list)
+    final: Write | None = None  # the push's Write for this rank, held while pieces fly
+    failure: wire.Failure | None = None  # a piece failed, or the key was aborted or cancelled
+    settled: bool = False  # the matcher has had this rank's end (write_done)
+
+
+@dataclass
+class _Layered:
+    """A key whose push is written layer by layer (computed())."""
+
+    source: Source  # prepare()'s blocks
+    since_s: float
+    done: set[int] = field(default_factory=set)  # regions computed
+    peers: dict[str, _Pieces] = field(default_factory=dict)  # by decode peer address
+    first_s: float = 0.0  # time.monotonic() when its first piece was posted
+
+
 def _block_runs(block_ids: list[int], block_size: int, start: int, end: int) -> int:
     """Runs of consecutive block ids among the blocks covering tokens [start, end)."""
     ids = np.asarray(block_ids[start // block_size : -(-end // block_size)], dtype=np.int64)
@@ -99,10 +128,20 @@ class PrefillEndpoint(Endpoint):
         # future it will get, and when the source came (dropped after one lease).
         self._unclaimed: dict[wire.TransferKey, tuple[Future, float]] = {}
         self._hints: dict[wire.TransferKey, _Hint] = {}  # from prepare(), until the release
+        self._layered: dict[wire.TransferKey, _Layered] = {}  # from computed()
+        self._computing: deque[tuple[list[wire.TransferKey], list[int], Any]] = deque()
         # WRITEs gathered through a staging slot, and WRITEs sent direct because this rank's
         # staging area had no slot free or the gather failed; WRITEs posted as prepare()
         # made them ready
-        self.counters = {"staged": 0, "staging_full": 0, "staging_errors": 0, "ready_ahead": 0}
+        # and pushes written layer by layer, and their WRITEs posted before the push
+        self.counters = {
+            "staged": 0,
+            "staging_full": 0,
+            "staging_errors": 0,
+            "ready_ahead": 0,
+            "layered": 0,
+            "layer_writes": 0,
+        }
         super().__init__(config, layout)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -122,10 +161,23 @@ class PrefillEndpoint(Endpoint):
         Resolves once the loop thread has acted on it."""
         return self._call(self._on_prepare, key, Source(list(block_ids), num_tokens))
 
+    def computed(
+        self, keys: list[wire.TransferKey], regions: list[int], ready: Any = None
+    ) -> Future:
+        """Layer by layer: the forward has computed `regions` (indices into the layout's
+        regions) of every key in `keys`, each prepare()d. The loop thread writes each key's
+        regions computed so far, in order, to every decode rank registered for it, without
+        notification; push() then writes the rest, with it. `ready`, where given, is polled
+        on the loop thread (it must not block) until it returns True before the regions are
+        read: on a GPU, whether the layer's kernels have run. Not for a push that staging
+        would gather, nor across a block-outer layout (one descriptor spans every region
+        there): those are written whole by push()."""
+        return self._call(self._on_computed, keys, regions, ready)
+
     def abort(self, key: wire.TransferKey, failure: wire.Failure) -> Future:
         """The prefill request failed or was aborted: tell decode, hold nothing. Resolves
         once the loop thread has acted on it (and refreshed the gauges)."""
-        return self._call(self._apply_all, self._matcher.abort, key, failure)
+        return self._call(self._on_abort, key, failure)
 
     # -- loop thread --------------------------------------------------------------------
     def _on_source(self, key: wire.TransferKey, source: Source, sourced: bool = False) -> Future:
@@ -141,12 +193,15 @@ class PrefillEndpoint(Endpoint):
         self._marks[key] = {"handed": self._started[key]}
         if sourced:  # from the scheduler's SOURCE, ahead of push()
             self._marks[key]["sourced"] = self._started[key]
+        lay = self._layered.get(key)
+        if lay is not None and lay.first_s:  # layers written before it
+            self._marks[key]["layered"] = lay.first_s
         self._apply(self._matcher.source_ready(key, source))
         return future
 
     def _on_prepare(self, key: wire.TransferKey, source: Source) -> None:
-        if key in self._futures or self._matcher.ended(key):
-            return  # push() came first, or the transfer has ended
+        if key in self._futures or self._matcher.ended(key) or key in self._layered:
+            return  # push() came first, the transfer has ended, or it is being written
         self._drop_hint(key)  # the request was scheduled again (preempted): the new blocks
         self._hints[key] = _Hint(source, time.monotonic())
         for peer, reg in self._matcher.registrations(key).items():
@@ -198,6 +253,179 @@ class PrefillEndpoint(Endpoint):
         for ahead in hint.ready.values() if hint is not None else ():
             self.agent.release(ahead.handle)
 
+    # -- layer by layer -----------------------------------------------------------------
+    def _on_computed(self, keys: list[wire.TransferKey], regions: list[int], ready: Any) -> None:
+        self._computing.append((keys, regions, ready))
+        self._take_computed()
+
+    def _take_computed(self) -> None:
+        """Act on the layers computed, in the order they came, each once it is ready."""
+        while self._computing:
+            keys, regions, ready = self._computing[0]
+            if ready is not None and not ready():
+                return
+            self._computing.popleft()
+            for key in keys:
+                if self._layerable(key):
+                    self._written_upto(key, regions)
+
+    def _written_upto(self, key: wire.TransferKey, regions: list[int]) -> None:
+        lay = self._layered.get(key)
+        if lay is None:
+            lay = self._layered[key] = _Layered(self._hints[key].source, time.monotonic())
+            self.counters["layered"] += 1
+        lay.done.update(regions)
+        for address in list(self._matcher.registrations(key)):
+            self._begin_pieces(key, lay, address)
+        for address, pieces in lay.peers.items():
+            self._post_pieces(key, lay, address, pieces)
+
+    def _layerable(self, key: wire.TransferKey) -> bool:
+        """prepare() came, push() has not, the key is alive, and its WRITEs are per region."""
+        if key not in self._hints or key in self._futures or self._matcher.ended(key):
+            return False
+        return not self.layout.tiles_blocks
+
+    def _begin_pieces(self, key: wire.TransferKey, lay: _Layered, address: str) -> None:
+        """Write `address`'s registration layer by layer, where its push is a direct one."""
+        peer, reg = self._peers.get(address), self._matcher.registrations(key).get(address)
+        if peer is None or reg is None or peer.layout.tiles_blocks:
+            return
+        hint = self._hints[key]
+        ahead = hint.ready.get(address)
+        try:
+            if ahead is not None and ahead.reg == reg:  # prepare() planned it already
+                plan = ahead.plan
+            else:
+                heads = self._heads(reg, lay.source)
+                if self._wants_staging(reg, lay.source, peer, heads):
+                    return
+                plan, _, _ = self._direct(reg, lay.source, peer, heads)
+        except Exception as e:  # push() plans it again and reports the error
+            log.debug("prefill: %s not written layer by layer: %s", key, e)
+            return
+        if self._matcher.begin(key, address) is None:
+            return
+        self._forget_ready(key, address)  # the pieces replace the WRITE made ready
+        lay.peers[address] = _Pieces(reg, plan, self._region_of(plan.src_addrs))
+
+    def _region_of(self, addrs: np.ndarray) -> np.ndarray:
+        """The region each prefill address lies in (regions that do not overlap)."""
+        bases = np.array([r.base_addr for r in self.layout.regions], dtype=np.int64)
+        order = np.argsort(bases)
+        return order[np.searchsorted(bases[order], addrs, side="right") - 1]
+
+    def _post_pieces(
+        self, key: wire.TransferKey, lay: _Layered, address: str, pieces: _Pieces
+    ) -> None:
+        """Post the regions computed since the last piece, in order; the last region is
+        always left to the push, whose WRITE carries the notification."""
+        if pieces.final is not None or pieces.failure is not None:
+            return
+        upto, last = pieces.sent, len(self.layout.regions) - 1
+        while upto < last and upto in lay.done:
+            upto += 1
+        if upto == pieces.sent:
+            return
+        rows = (pieces.regions >= pieces.sent) & (pieces.regions < upto)
+        pieces.sent = upto
+        if not rows.any():
+            return
+        plan = pieces.plan
+        part = CopyPlan(plan.src_addrs[rows], plan.dst_addrs[rows], plan.num_bytes[rows])
+        peer = self._peers[address]
+        handle = None
+        try:
+            src, dst = part.descs(self.layout.dev_id, peer.layout.dev_id)
+            handle = self.agent.initialize(
+                "WRITE", peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type
+            )
+            state = self.agent.start(handle, b"")
+        except Exception as e:
+            if handle is not None:
+                self.agent.release(handle)
+            pieces.failure = wire.Failure("write", f"WRITE of a layer not posted: {e}")
+            self._settle_pieces(key, address, pieces)
+            return
+        self.counters["layer_writes"] += 1
+        lay.first_s = lay.first_s or time.monotonic()
+        stats = self._stats.setdefault(key, [0, 0])
+        stats[0] += part.total_bytes
+        stats[1] += part.num_descs
+        pieces.flights.append(_InFlight(handle, time.monotonic(), part.total_bytes, part.num_descs))
+        self._hurry()
+        if state == "ERR":
+            self._progress_pieces()
+
+    def _progress_pieces(self) -> None:
+        for key, lay in list(self._layered.items()):
+            for address, pieces in list(lay.peers.items()):
+                for flight in list(pieces.flights):
+                    state = self.agent.state(flight.handle)
+                    if state == "PROC":
+                        continue
+                    pieces.flights.remove(flight)
+                    self.agent.release(flight.handle)
+                    if state != "DONE" and pieces.failure is None:
+                        why = f"NIXL WRITE of a layer ended {state}"
+                        pieces.failure = wire.Failure("write", why)
+                if not pieces.flights:
+                    self._settle_pieces(key, address, pieces)
+
+    def _settle_pieces(self, key: wire.TransferKey, address: str, pieces: _Pieces) -> None:
+        """No piece to `address` is on the wire: post the push's rest, or end this rank's
+        write with the failure, or wait for the push."""
+        if pieces.flights or pieces.settled:
+            return
+        if pieces.failure is not None:
+            pieces.settled = True
+            self._apply(self._matcher.write_done(key, address, pieces.failure))
+        elif pieces.final is not None:
+            pieces.settled = True
+            self._post(pieces.final)
+
+    def _pieces_for(self, w: Write) -> _Pieces | None:
+        lay = self._layered.get(w.key)
+        return lay.peers.get(w.peer) if lay is not None else None
+
+    def _rest(self, w: Write, pieces: _Pieces) -> tuple[CopyPlan, np.ndarray, np.ndarray] | None:
+        """What the push still has to write to a rank written layer by layer: the regions
+        not posted yet. None when the push's blocks or registration differ from the pieces'
+        (it is then written whole, over what the pieces wrote)."""
+        lay = self._layered[w.key]
+        if w.reg != pieces.reg or w.source.block_ids != lay.source.block_ids:
+            return None
+        rows = pieces.regions >= pieces.sent
+        plan = pieces.plan
+        rest = CopyPlan(plan.src_addrs[rows], plan.dst_addrs[rows], plan.num_bytes[rows])
+        src, dst = rest.descs(self.layout.dev_id, self._peers[w.peer].layout.dev_id)
+        return rest, src, dst
+
+    def _on_abort(self, key: wire.TransferKey, failure: wire.Failure) -> None:
+        self._apply(self._matcher.abort(key, failure))
+        self._fail_pieces(key, failure)
+
+    def _fail_pieces(self, key: wire.TransferKey, failure: wire.Failure, peer: str = "") -> None:
+        """No more pieces for `key` (to `peer`, or to every rank not yet given its push):
+        each rank's write ends with `failure` once its pieces on the wire are done."""
+        lay = self._layered.get(key)
+        for address, pieces in list(lay.peers.items()) if lay is not None else ():
+            if (peer and address != peer) or pieces.final is not None:
+                continue
+            pieces.failure = pieces.failure or failure
+            self._settle_pieces(key, address, pieces)
+
+    def _drop_layered(self) -> None:
+        """Forget keys that ended with nothing of theirs on the wire."""
+        for key, lay in list(self._layered.items()):
+            if self._matcher.ended(key) and not any(p.flights for p in lay.peers.values()):
+                self._forget_layered(key)
+
+    def _forget_layered(self, key: wire.TransferKey) -> None:
+        self._layered.pop(key, None)
+        if key not in self._futures:  # no push() to report the pieces' figures
+            self._stats.pop(key, None)
+
     def _apply_all(self, fn: Any, *args: Any) -> None:
         self._apply(fn(*args))
 
@@ -211,6 +439,7 @@ class PrefillEndpoint(Endpoint):
         elif isinstance(msg, wire.CancelMsg):  # needs no handshake: it only frees
             self._forget_ready(msg.key, peer)
             self._apply(self._matcher.cancel(peer, msg.key))
+            self._fail_pieces(msg.key, wire.CANCELLED, peer)  # answered once they are done
         elif peer not in self._peers or link.peer is None:
             key = getattr(msg, "key", None)
             if key is not None:
@@ -241,7 +470,7 @@ class PrefillEndpoint(Endpoint):
             return
         log.debug("prefill: transfer %s abandoned by the router: %s", msg.key, msg.reason)
         abandoned = wire.Failure("abandoned", f"abandoned by the router: {msg.reason}")
-        self._apply(self._matcher.abort(msg.key, abandoned))
+        self._on_abort(msg.key, abandoned)
 
     def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
         error = None
@@ -293,6 +522,7 @@ class PrefillEndpoint(Endpoint):
         # cancelled, aborted, its peer dead) holds nothing made ready for it any longer
         for key in [k for k in self._hints if self._matcher.ended(k)]:
             self._drop_hint(key)
+        self._drop_layered()
 
     def _reply(self, r: Reply) -> None:
         assert self.channel is not None
@@ -322,14 +552,28 @@ class PrefillEndpoint(Endpoint):
             future.set_result(outcome)
 
     def _post(self, w: Write) -> None:
+        pieces = self._pieces_for(w)
+        if pieces is not None and pieces.final is None:  # written layer by layer so far
+            pieces.final = w
+            if pieces.flights or pieces.failure is not None:
+                self._settle_pieces(w.key, w.peer, pieces)  # or once they are done
+                return
+            pieces.settled = True
         peer = self._peers.get(w.peer)
         ahead = self._take_ahead(w)
+        rest = self._rest(w, pieces) if pieces is not None and peer is not None else None
         staged, handle = None, (ahead.handle if ahead is not None else None)
         try:
             if peer is None:
                 raise RuntimeError(f"decode peer {w.peer} is gone")
             heads = self._heads(w.reg, w.source)
-            if ahead is not None:  # made ready by prepare(): only the post is left
+            if rest is not None:  # the regions the pieces have not written
+                plan, src, dst = rest
+                num_descs, staged_end = plan.num_descs, 0
+                handle = self.agent.initialize(
+                    "WRITE", peer.agent_name, src, dst, self.layout.mem_type, peer.layout.mem_type
+                )
+            elif ahead is not None:  # made ready by prepare(): only the post is left
                 plan, num_descs, staged_end = ahead.plan, ahead.plan.num_descs, 0
                 self.counters["ready_ahead"] += 1
                 if w.key in self._marks:
@@ -472,6 +716,11 @@ class PrefillEndpoint(Endpoint):
             state = self.agent.state(flight.handle)
             if state != "PROC":
                 self._finish_write(key, peer, state)
+        if self._computing:
+            self._take_computed()
+        if self._layered:
+            self._progress_pieces()
+            self._drop_layered()
 
     def _finish_write(self, key: wire.TransferKey, peer: str, state: str) -> None:
         self._drop_flight(key, peer)
@@ -484,6 +733,10 @@ class PrefillEndpoint(Endpoint):
         for key, peer in list(self._in_flight):
             if peer == address:
                 self._drop_flight(key, peer)
+        for lay in self._layered.values():
+            pieces = lay.peers.pop(address, None)
+            for flight in pieces.flights if pieces is not None else ():
+                self.agent.release(flight.handle)
         for key in list(self._hints):
             self._forget_ready(key, address)
         peer_state = self._peers.pop(address, None)
@@ -492,12 +745,15 @@ class PrefillEndpoint(Endpoint):
         self._apply(self._matcher.peer_dead(address, failure))
 
     def _busy(self) -> bool:
-        return bool(self._in_flight)
+        return bool(self._in_flight or self._computing) or self._pieces_in_flight() > 0
+
+    def _pieces_in_flight(self) -> int:
+        return sum(len(p.flights) for lay in self._layered.values() for p in lay.peers.values())
 
     def _poll_timeout_ms(self) -> int | None:
-        if self._in_flight:
+        if self._busy():
             return BUSY_POLL_MS
-        if self._matcher.has_pending() or self._unclaimed or self._hints:
+        if self._matcher.has_pending() or self._unclaimed or self._hints or self._layered:
             return LEASE_POLL_MS
         expiry_s = self._matcher.next_record_expiry_s()
         if expiry_s is None:
@@ -513,6 +769,11 @@ class PrefillEndpoint(Endpoint):
         for key, hint in list(self._hints.items()):  # prepared, and its push() never came
             if key not in self._futures and now_s - hint.since_s > self.config.lease_s:
                 self._drop_hint(key)
+        for key, lay in list(self._layered.items()):  # written in part, and no push() came
+            if key not in self._futures and now_s - lay.since_s > self.config.lease_s:
+                self._fail_pieces(key, wire.Failure("lease", "lease expired: no push() came"))
+                if all(p.settled and not p.flights for p in lay.peers.values()):  # else later
+                    self._forget_layered(key)
         super()._tick(now_s)
 
     def _pending_addresses(self) -> set[str]:
@@ -525,6 +786,8 @@ class PrefillEndpoint(Endpoint):
             "held_sources": len(self._futures),
             "unclaimed_sources": len(self._unclaimed),
             "prepared": len(self._hints),
+            "layered": len(self._layered),
+            "layer_writes_in_flight": self._pieces_in_flight(),
             "cancel_records": self._matcher.num_records,
             "peers": len(self._peers),
             "staging_held_bytes": self.staging.held_bytes if self.staging else 0,
@@ -533,6 +796,12 @@ class PrefillEndpoint(Endpoint):
     def _shutdown(self) -> None:
         for key, peer in list(self._in_flight):
             self._drop_flight(key, peer)
+        for lay in self._layered.values():
+            for pieces in lay.peers.values():
+                for flight in pieces.flights:
+                    self.agent.release(flight.handle)
+        self._layered.clear()
+        self._computing.clear()
         for key in list(self._futures):
             self._release(Release(key, wire.Failure("other", "prefill endpoint closed")))
         for key in list(self._hints):

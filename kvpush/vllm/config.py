@@ -36,6 +36,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     endpoint_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = DEFAULT_ENDPOINT_NICE
     early_source: bool | Literal["auto"] = True
     prepare_ahead: bool | Literal["auto"] = "auto"
+    layerwise: bool | Literal["auto"] = "auto"
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = DEFAULT_IDLE_WAIT_S
     staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
     staging_min_descs: Annotated[int, msgspec.Meta(ge=1)] = 512
@@ -78,6 +79,12 @@ class ConnectorConfig:
     # after the compute, holding the worker's main thread (docs/architecture.md, "Made ready
     # ahead")
     prepare_ahead: bool = True
+    # prefill: a request whose last prompt tokens this step computes is written to each
+    # registered decode rank layer by layer, each layer's WRITE posted as soon as vLLM's
+    # forward has computed it (save_kv_layer), so that the push itself writes only the last
+    # layer (PrefillEndpoint.computed; docs/architecture.md, "Layer by layer"). "auto" (the
+    # default): on where the engine runs on a GPU
+    layerwise: bool = True
     # a step that schedules no tokens, while this worker has a transfer in flight: the
     # worker waits (in wait_for_save) until one completes, at most this long, instead of
     # returning at once to an engine loop that would step again at once; 0: no wait.
@@ -141,6 +148,7 @@ class ConnectorConfig:
             "prepare_ahead": _on_gpu(vllm_config)
             if extra.prepare_ahead == "auto"
             else extra.prepare_ahead,
+            "layerwise": _on_gpu(vllm_config) if extra.layerwise == "auto" else extra.layerwise,
         }
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
 

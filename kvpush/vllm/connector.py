@@ -52,7 +52,16 @@ class KVPushConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
-        return
+        """A layer is computed: prefill writes it to decode now (`layerwise`)."""
+        worker = self._worker
+        if worker is None or not worker.layerwise:
+            return
+        try:
+            meta = self._get_connector_metadata()
+            if isinstance(meta, PushMetadata):
+                worker.layer_saved(layer_name, meta)
+        except Exception:  # the push still writes every layer
+            log.exception("kvpush: writing layer %s early failed", layer_name)
 
     def wait_for_save(self) -> None:
         """Pushes are written by the endpoint's thread, not saved layer by layer: nothing to

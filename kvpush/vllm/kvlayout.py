@@ -80,6 +80,14 @@ def layout_from_kv_caches(
     )
 
 
+def layer_regions(kv_caches: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Each layer's regions in `layout_from_kv_caches`'s layout: one per layer, or two (K,
+    then V) where the tensor holds them apart ([2, ...])."""
+    names = list(kv_caches)
+    per = 2 if names and kv_caches[names[0]].dim() == 5 else 1
+    return {name: tuple(range(i * per, (i + 1) * per)) for i, name in enumerate(names)}
+
+
 def probe_cpu_layout(dtype: Any, block_size: int, head_dim: int) -> None:
     """Write known K and V through vLLM's own CPU cache kernel and check where they land:
     K as [dim][token], V as [token][dim] inside each (block, head). A vLLM whose kernel lays

@@ -25,11 +25,13 @@ class Push:
 @dataclass(frozen=True)
 class Prepare:
     """Prefill: this step computes the request's last prompt tokens, in these blocks: make
-    its push's WRITEs ready meanwhile (a head start; the Push still comes)."""
+    its push's WRITEs ready meanwhile (a head start; the Push still comes), and with
+    `layerwise` write each layer's KV as the forward computes it."""
 
     key: TransferKey
     block_ids: list[int]
     num_tokens: int
+    layerwise: bool = False
 
 
 @dataclass(frozen=True)

@@ -281,16 +281,19 @@ class PushScheduler:
     def _prepare(self, request: Any, blocks: Any) -> None:
         """A prefill leg scheduled with blocks for its whole prompt (this step computes its
         last prompt tokens): the workers make its WRITEs ready while the engine computes
-        (`prepare_ahead`). A prompt prefilled in chunks gets its later blocks without a
-        hook, so it is planned at the push, as without this."""
+        (`prepare_ahead`), and write each layer as it is computed (`layerwise`). A prompt
+        prefilled in chunks gets its later blocks without a hook, so it is planned and
+        written at the push, as without these."""
         params = _params_or_none(request)
-        if not self.config.prepare_ahead or params is None or params.leg != "prefill":
+        cfg = self.config
+        if not (cfg.prepare_ahead or cfg.layerwise) or params is None or params.leg != "prefill":
             return
         block_ids = list(blocks.get_block_ids()[0])
         if len(block_ids) * self._block_size < request.num_prompt_tokens:
             return
         key = params.key(request.request_id)
-        self._actions.append(m.Prepare(key, block_ids, request.num_prompt_tokens))
+        prepare = m.Prepare(key, block_ids, request.num_prompt_tokens, cfg.layerwise)
+        self._actions.append(prepare)
 
     def _announce(self, push: m.Push) -> None:
         """SOURCE to this engine's ranks now; never raises (the worker's Push still comes)."""

@@ -29,8 +29,8 @@ GAUGES = {
 }
 # kvpush.vllm.worker.PHASES, named here so this module stays importable without the worker
 PHASE_NAMES = (
-    "handover", "next_step", "head_start", "ready_ahead", "pair_and_post", "write", "release",
-    "register", "wait_writes", "land", "scatter", "report",
+    "handover", "next_step", "head_start", "ready_ahead", "layers_ahead", "pair_and_post",
+    "write", "release", "register", "wait_writes", "land", "scatter", "report",
 )  # fmt: skip
 PHASE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 

@@ -18,7 +18,7 @@ from kvpush.transfer.endpoint import TransferConfig
 from kvpush.vllm import firsttoken
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
-from kvpush.vllm.kvlayout import layout_from_kv_caches
+from kvpush.vllm.kvlayout import layer_regions, layout_from_kv_caches
 from kvpush.vllm.stats import GAUGES, KVPushStats
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 # for decode's registration) -> last WRITE complete -> reported to vLLM as finished sending;
 # "next_step" is the part of handover until the worker got the push (the next engine step);
 # "head_start" how long before that the scheduler's SOURCE had started it (only then);
-# "ready_ahead" how long before the hand-over its WRITE was made ready (prepare_ahead).
+# "ready_ahead" how long before the hand-over its WRITE was made ready (prepare_ahead);
+# "layers_ahead" how long before it the first layer was written (layerwise).
 # Decode: vLLM allocated the blocks -> REGISTER sent -> every WRITE in -> reported to vLLM as
 # finished receiving; "land" is the part of wait_writes after prefill announced its first
 # WRITE (POSTED); "scatter" the part after a staged WRITE landed in its slot (staging.py).
@@ -38,6 +39,7 @@ PHASES = {
     "next_step": ("finished", "started"),
     "head_start": ("sourced", "started"),
     "ready_ahead": ("readied", "handed"),
+    "layers_ahead": ("layered", "handed"),
     "pair_and_post": ("handed", "posted"),
     "write": ("posted", "written"),
     "release": ("written", "reported"),
@@ -73,6 +75,13 @@ class PushWorker:
         self._last_gauges: dict[str, int] = {}
         self._settling: list[Future] = []  # aborts and cancels not yet acted on
         self._last_settling = 0
+        # layer by layer (prefill): each layer's regions; the step whose forward is running
+        # (its metadata), the keys it writes layer by layer, and the CUDA event type where
+        # the forward runs on a GPU (a layer is read once its kernels have run)
+        self._layer_regions: dict[str, tuple[int, ...]] = {}
+        self._layer_step: Any = None
+        self._layer_keys: list[wire.TransferKey] = []
+        self._cuda_event: Any = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         from vllm.distributed.parallel_state import (
@@ -119,6 +128,12 @@ class PushWorker:
         )
         cls = PrefillEndpoint if cfg.is_prefill else DecodeEndpoint
         self.endpoint = cls(transfer, layout)
+        if cfg.is_prefill and cfg.layerwise:
+            self._layer_regions = layer_regions(kv_caches)
+            if first.device.type == "cuda":
+                import torch
+
+                self._cuda_event = torch.cuda.Event
         log.info(
             "kvpush %s rank %d/%d listening on %s: %d layers, %d blocks of %d tokens, %s",
             cls.role,
@@ -149,6 +164,31 @@ class PushWorker:
                     self._refused.add(req_id)
                 self._stats.record(False, 0, 0, 0.0, cause="other")
 
+    @property
+    def layerwise(self) -> bool:
+        return bool(self._layer_regions)
+
+    def layer_saved(self, layer_name: str, meta: Any) -> None:
+        """vLLM's forward has computed `layer_name` (save_kv_layer): write it for every
+        request of this step that is written layer by layer. At the step's first layer the
+        step's `Prepare`s are handed over here, before the forward goes on, rather than
+        after it (start())."""
+        if meta is not self._layer_step:
+            self._layer_step = meta
+            prepares = [a for a in meta.actions if isinstance(a, m.Prepare) and a.layerwise]
+            for a in prepares:
+                self.endpoint.prepare(a.key, a.block_ids, a.num_tokens)
+            self._layer_keys = [a.key for a in prepares]
+        regions = self._layer_regions.get(layer_name)
+        if not self._layer_keys or regions is None:
+            return
+        ready = None
+        if self._cuda_event is not None:  # the forward's kernels may not have run yet
+            event = self._cuda_event()
+            event.record()
+            ready = event.query
+        self.endpoint.computed(self._layer_keys, list(regions), ready)
+
     def _start(self, a: m.Action) -> None:
         ep = self.endpoint
         if isinstance(a, m.Push):
@@ -156,7 +196,8 @@ class PushWorker:
             self._timeline[a.req_id] = (a.key.transfer_id, marks)
             self._futures[a.req_id] = ep.push(a.key, a.block_ids, a.num_tokens, a.first_token)
         elif isinstance(a, m.Prepare):
-            ep.prepare(a.key, a.block_ids, a.num_tokens)
+            if not (a.layerwise and a.key in self._layer_keys):  # else handed over already
+                ep.prepare(a.key, a.block_ids, a.num_tokens)
         elif isinstance(a, m.Abort):
             self._settling.append(ep.abort(a.key, a.failure))
         elif isinstance(a, m.Expect):

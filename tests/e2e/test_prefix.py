@@ -20,8 +20,11 @@ pytestmark = pytest.mark.e2e
 def rpair(tiny_model):
     # early_source off: every push here starts from the worker's push(), one engine step
     # after vLLM finished the request (the other pairs start theirs from SOURCE).
-    # prepare_ahead on, as on a GPU (off by default on CPU): its path is tested here
-    specs = pair_specs(str(tiny_model), 64, 32, early_source=False, prepare_ahead=True)
+    # prepare_ahead and layerwise on, as on a GPU (off by default on CPU): every push here
+    # is written layer by layer, the last layer by the push (its path is tested here)
+    specs = pair_specs(
+        str(tiny_model), 64, 32, early_source=False, prepare_ahead=True, layerwise=True
+    )
     engines = start(*specs)
     yield as_pair(*engines)
     for e in engines:
@@ -69,19 +72,19 @@ def test_full_hit_frees_prefill_at_once(rpair, mono_url):
     assert took < 2.0
 
 
-def test_a_push_posts_the_write_made_ready_ahead(rpair, mono_url):
-    """Decode registers first (prefill's leg is sent 0.2 s later), so when prefill's
-    scheduler schedules the whole prompt (prepare_ahead) the worker's endpoint makes the
-    WRITE ready with that step (on CPU, after its forward; on a GPU, while it runs), and the
-    push only posts it: every one of these pushes records the phase "ready_ahead". The
-    answers are a plain engine's."""
+def test_pushes_are_written_layer_by_layer_while_prefill_computes(rpair, mono_url):
+    """Decode registers first (prefill's leg is sent 0.2 s later), so while prefill's
+    forward computes the prompt each layer's KV goes to decode as soon as it is computed
+    (save_kv_layer), and the push writes only the last layer, with the first token: every
+    one of these pushes records the phase "layers_ahead". The answers are a plain engine's
+    (prefill's block of 64 against decode's 32: the pieces follow the general copy plan)."""
 
-    def readied() -> float:
+    def layered() -> float:
         samples = metric_samples(rpair.prefill_url).items()
-        name, phase = "kvpush:phase_seconds_count{", 'phase="ready_ahead"'
+        name, phase = "kvpush:phase_seconds_count{", 'phase="layers_ahead"'
         return sum(v for k, v in samples if k.startswith(name) and phase in k)
 
-    before = readied()
+    before = layered()
 
     async def go():
         async with session() as c:
@@ -93,7 +96,7 @@ def test_a_push_posts_the_write_made_ready_ahead(rpair, mono_url):
 
     asyncio.run(go())
     deadline = time.monotonic() + 5  # the engines' stats reach /metrics with a later step
-    while readied() < before + 3:
-        assert time.monotonic() < deadline, f"{readied() - before} of 3 pushes made ready ahead"
+    while layered() < before + 3:
+        assert time.monotonic() < deadline, f"{layered() - before} of 3 pushes layer by layer"
         time.sleep(0.1)
     wait_idle(rpair.prefill_url, rpair.decode_url, timeout_s=2)

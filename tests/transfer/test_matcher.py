@@ -149,3 +149,46 @@ def test_abort_fails_the_registered_decode_and_records_the_key():
 def test_a_failure_names_a_known_cause():
     with pytest.raises(ValueError, match="unknown failure cause 'lost'"):
         Failure("lost", "?")
+
+
+def test_a_registration_begun_before_the_source_is_written_when_the_source_comes():
+    """Layer by layer (PrefillEndpoint.computed): begin() takes the registration early."""
+    m = Matcher(lease_s=30)
+    m.register("d", reg())
+    assert m.begin(KEY, "d") == reg()
+    assert m.begin(KEY, "d") is None  # once
+    assert m.registrations(KEY) == {} and m.num_in_flight == 1
+    (fail,) = m.register("d", reg(blocks=(7, 8)))  # its blocks are being written
+    assert fail.kind == "fail" and fail.failure.cause == "refused"
+    (write,) = m.source_ready(KEY, SRC)
+    assert (write.peer, write.reg, write.source) == ("d", reg(), SRC)
+    assert kinds(m.write_done(KEY, "d", None)) == ["Release"]
+    assert not m.has_pending()
+
+
+def test_a_begun_registration_is_cancelled_or_aborted_only_once_its_writing_ends():
+    m = Matcher(lease_s=30)
+    m.register("d", reg())
+    m.begin(KEY, "d")
+    assert m.cancel("d", KEY) == []  # answered when the writer says the writing ended
+    cancelled = Failure("cancelled", "cancelled by decode")
+    assert kinds(m.write_done(KEY, "d", cancelled)) == ["Reply:ack", "Reply:fail"]
+    assert m.ended(KEY)
+    (release,) = m.source_ready(KEY, SRC)
+    assert release.failure.cause == "cancelled"
+
+    other = TransferKey("u", 0)
+    m.register("d", reg(key=other))
+    m.begin(other, "d")
+    aborted = Failure("aborted", "client left")
+    assert m.abort(other, aborted) == []  # pieces may be on the wire
+    assert kinds(m.write_done(other, "d", aborted)) == ["Reply:fail"]
+    assert m.ended(other) and not m.has_pending()
+
+
+def test_nothing_is_begun_without_a_registration_or_after_the_source():
+    m = Matcher(lease_s=30)
+    assert m.begin(KEY, "d") is None
+    m.source_ready(KEY, SRC)
+    m.register("d2", reg(ranks=2))  # written at once: the source is in
+    assert m.begin(KEY, "d2") is None

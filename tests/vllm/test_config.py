@@ -130,3 +130,18 @@ def test_prepare_ahead_is_on_where_the_engine_computes_on_a_gpu(device, extra, o
     assert cfg.prepare_ahead is on
     with pytest.raises(ValueError, match="extra_config.prepare_ahead"):
         ConnectorConfig.from_vllm(vllm_config(extra={"prepare_ahead": "sometimes"}))
+
+
+@pytest.mark.parametrize(
+    "device, extra, on",
+    [
+        ("cuda", {}, True),
+        ("cpu", {}, False),  # on one-core engines the layers' WRITEs slow the forward
+        ("cpu", {"layerwise": True}, True),
+        ("cuda", {"layerwise": False}, False),
+    ],
+)
+def test_layerwise_is_on_where_the_engine_computes_on_a_gpu(device, extra, on):
+    assert ConnectorConfig.from_vllm(vllm_config(extra=extra, device=device)).layerwise is on
+    with pytest.raises(ValueError, match="extra_config.layerwise"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"layerwise": "sometimes"}))

@@ -35,11 +35,12 @@ def scheduler(
     early_source: bool = False,
     port: int = 5600,
     prepare_ahead: bool = False,
+    layerwise: bool = False,
 ) -> PushScheduler:
     config = ConnectorConfig(
         "p0" if prefill else "d0", prefill, ("UCX",), "127.0.0.1", port, 30.0, 5.0, 1.0,
         False, debug_faults=debug_faults, early_source=early_source,
-        prepare_ahead=prepare_ahead,
+        prepare_ahead=prepare_ahead, layerwise=layerwise,
     )  # fmt: skip
     return PushScheduler(config, SimpleNamespace(parallel_config=SimpleNamespace(
         tensor_parallel_size=1), cache_config=SimpleNamespace(block_size=16)))  # fmt: skip
@@ -210,6 +211,14 @@ def test_a_prefill_leg_scheduled_with_its_whole_prompts_blocks_is_prepared():
     (prepare,) = actions(s)
     assert prepare == m.Prepare(wire.TransferKey("t7"), list(range(7)), 100)
     assert_nothing_held(s)  # only a head start: nothing waits on it
+
+
+def test_a_prefill_leg_written_layer_by_layer_is_prepared_so():
+    s = scheduler(prefill=True, layerwise=True)  # prepare_ahead off, as on CPU
+    s.update_state_after_alloc(request(PREFILL_PARAMS), blocks(*range(7)), 0)
+    (prepare,) = actions(s)
+    assert prepare == m.Prepare(wire.TransferKey("t7"), list(range(7)), 100, layerwise=True)
+    assert_nothing_held(s)
 
 
 @pytest.mark.parametrize(
