@@ -137,6 +137,56 @@ class Memory:
             b.fill_(0xEE) if self.cuda else b.fill(0xEE)
 
 
+def simulated_forward(
+    endpoint: Any, spec: LayoutSpec, key: Any, block_ids: list[int], num_tokens: int,
+    layer_s: float, layerwise: bool,
+) -> tuple[Any, float]:  # fmt: skip
+    """A prefill forward as the connector sees it, for the benchmark and the GPU tests:
+    prepare(), then per layer (two regions: K and V) `layer_s` of GPU work (CUDA's sleep
+    kernel; a host sleep on DRAM) and, `layerwise`, computed() with that layer's CUDA event
+    as its `ready`; then, once the work is done, push() with a first token. Returns the
+    push's future and time.monotonic() when the forward's work ended."""
+    endpoint.prepare(key, block_ids, num_tokens)
+    cuda = spec.device != "cpu"
+    if cuda:
+        import torch
+
+        cycles = int(layer_s * _sleep_rate())
+    for layer in range(spec.num_regions // 2):
+        ready = None
+        if cuda:
+            torch.cuda._sleep(cycles)
+            event = torch.cuda.Event()
+            event.record()
+            ready = event.query
+        else:
+            time.sleep(layer_s)
+        if layerwise:
+            endpoint.computed([key], [2 * layer, 2 * layer + 1], ready)
+    if cuda:
+        torch.cuda.synchronize()
+    end = time.monotonic()
+    return endpoint.push(key, block_ids, num_tokens, 1), end
+
+
+_SLEEP_RATE: list[float] = []
+
+
+def _sleep_rate() -> float:
+    """Cycles a second of torch.cuda._sleep on this GPU, measured once."""
+    if not _SLEEP_RATE:
+        import torch
+
+        torch.cuda._sleep(1_000_000)  # warm
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        stop.record()
+        stop.synchronize()
+        _SLEEP_RATE.append(20_000_000 / (start.elapsed_time(stop) / 1e3))
+    return _SLEEP_RATE[0]
+
+
 def _child(
     conn: Any, role: str, config: Any, spec: LayoutSpec, seed: int | None, fault: str | None
 ) -> None:
@@ -218,6 +268,10 @@ def _child(
                 future = endpoint.computed(keys, regions, lambda at=at: time.monotonic() >= at)
                 futures[id(future)] = future
                 result = id(future)
+            elif method == "forward":  # (the push's future id, when the forward ended)
+                future, end = simulated_forward(endpoint, spec, *args)
+                futures[id(future)] = future
+                result = (id(future), end)
             elif method == "stall":  # hold the loop thread, as a busy one would be
                 stalled = endpoint._call(time.sleep, args[0])
                 futures[id(stalled)] = stalled

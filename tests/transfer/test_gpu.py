@@ -20,9 +20,10 @@ from tests.transfer.conftest import (
     free_port,
     prefill_config,
     spec,
+    wait_for,
 )
 from tests.transfer.test_faults import check_block_sizes, sides, tp1_to_tp2, tp2_to_tp1
-from tests.transfer.test_push import push
+from tests.transfer.test_push import assert_landed, new_key, push
 
 
 def _has_cuda() -> bool:
@@ -216,4 +217,25 @@ def test_cuda_cross_layer_run_is_one_descriptor_and_a_staged_scatter_lands(sides
     assert push(prefill, decode, address, [5, 6, 7], [20, 21, 30], 48).num_descs == 2
     assert push(prefill, decode, address, [5, 9, 7, 8, 30], [20, 41, 30, 3, 12], 80).num_descs == 1
     assert [s.call("counters")["staged"] for s in (prefill, decode)] == [1, 1]
+    assert_idle(prefill, decode)
+
+
+def test_cuda_layers_written_as_a_forward_computes_them_land_byte_exact(sides):
+    """Layer by layer on VRAM: a sleep kernel stands in for each of four layers' compute,
+    each layer's computed() carries its CUDA event, and the endpoint writes a layer only once
+    its event has completed; the push writes the last layer with the notification."""
+    layers = spec(device="cuda", num_regions=8)
+    port = free_port()
+    prefill = sides("prefill", prefill_config(port), layers)
+    decode = sides("decode", decode_config(), layers)
+    address = PrefillAddress("127.0.0.1", port)
+    src, before = prefill.call("regions"), decode.call("regions")
+    key = new_key()
+    fd = decode.call("expect", key, address, [20, 21, 22], 48)
+    wait_for(lambda: prefill.call("gauges")["pending_match"] == 1, 5, "registration at prefill")
+    fid, _ = prefill.call("forward", key, [5, 6, 7], 48, 0.005, True)
+    out_p, out_d = prefill.wait(fid), decode.wait(fd)
+    assert out_p.ok and out_d.ok and out_d.first_token == 1, (out_p, out_d)
+    assert prefill.call("counters")["layer_writes"] >= 1
+    assert_landed(prefill, decode, src, before, [5, 6, 7], [20, 21, 22], 48)
     assert_idle(prefill, decode)

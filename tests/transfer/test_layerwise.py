@@ -215,3 +215,21 @@ def test_a_layer_write_that_fails_in_nixl_fails_the_push(tmp_path):
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_simulated_forward_writes_its_layers_as_it_goes(quad, layerwise):
+    """The benchmark's forward (harness.simulated_forward, two layers of two regions here):
+    layer by layer, each layer but the last goes out before the push; without, none does.
+    Either way decode gets every byte and the first token."""
+    prefill, decode, address = quad
+    src, before = prefill.call("regions"), decode.call("regions")
+    writes = _count(prefill, "layer_writes")
+    key = new_key()
+    fd = _registered(prefill, decode, address, key, [44, 45], 32)
+    fid, _ = prefill.call("forward", key, [23, 24], 32, 0.01, layerwise)
+    out_p, out_d = prefill.wait(fid), decode.wait(fd)
+    assert out_p.ok and out_d.ok and out_d.first_token == 1, (out_p, out_d)
+    assert _count(prefill, "layer_writes") - writes == (2 if layerwise else 0)
+    assert_landed(prefill, decode, src, before, [23, 24], [44, 45], 32)
+    assert_idle(prefill, decode)
