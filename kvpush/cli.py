@@ -202,14 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
     bserve.add_argument(
         "--connectors",
         default="kvpush,kvpush-front-end,nixl-push,nixl-pull,mono",
-        help="kvpush-front-end: the kvpush stack, clients at the prefill engine's front end",
+        help="stacks, in this order (default: %(default)s); kvpush-front-end: the kvpush "
+        "stack, clients at the prefill engine's front end",
     )
-    bserve.add_argument("--qps", default="1,4")
-    bserve.add_argument("--input-lens", default="256,1024")
-    bserve.add_argument("--output-lens", default="16")
-    bserve.add_argument("--iterations", type=int, default=1)
-    bserve.add_argument("--num-prompts", type=int, default=16)
-    bserve.add_argument("--results-dir", default="results/bench")
+    bserve.add_argument("--qps", default="1,4", help="request rates (default: %(default)s)")
+    bserve.add_argument(
+        "--input-lens", default="256,1024", help="prompt tokens (default: %(default)s)"
+    )
+    bserve.add_argument("--output-lens", default="16", help="output tokens (default: %(default)s)")
+    bserve.add_argument(
+        "--iterations", type=int, default=1, help="runs of each point (default: %(default)s)"
+    )
+    bserve.add_argument(
+        "--num-prompts", type=int, default=16, help="requests a point (default: %(default)s)"
+    )
+    bserve.add_argument(
+        "--results-dir", default="results/bench", help="JSON goes here (default: %(default)s)"
+    )
     bserve.add_argument("--model", help="default: the embedded tiny model")
     bserve.add_argument(
         "--url", help="benchmark this running endpoint (a stack started elsewhere) instead"
