@@ -259,15 +259,20 @@ class PrefillEndpoint(Endpoint):
         self._take_computed()
 
     def _take_computed(self) -> None:
-        """Act on the layers computed, in the order they came, each once it is ready."""
+        """Act on the layers computed, in the order they came, each once it is ready; the
+        layers of one key found ready together go out as one WRITE per decode rank (a loop
+        thread behind a fast forward catches up, not one post per layer)."""
+        taken: dict[wire.TransferKey, list[int]] = {}
         while self._computing:
             keys, regions, ready = self._computing[0]
             if ready is not None and not ready():
-                return
+                break
             self._computing.popleft()
             for key in keys:
-                if self._layerable(key):
-                    self._written_upto(key, regions)
+                taken.setdefault(key, []).extend(regions)
+        for key, regions in taken.items():
+            if self._layerable(key):
+                self._written_upto(key, regions)
 
     def _written_upto(self, key: wire.TransferKey, regions: list[int]) -> None:
         lay = self._layered.get(key)

@@ -112,7 +112,8 @@ def test_a_layer_is_read_only_once_it_is_ready(quad):
     prefill.wait(prefill.call("prepare", new_key(), [1], 16))
     assert time.monotonic() - start < 0.2
     assert _count(prefill, "layer_writes") == writes
-    wait_for(lambda: _count(prefill, "layer_writes") == writes + 2, 5, "layers 0, 1 written")
+    # ready together, layers 0 and 1 go out as one WRITE
+    wait_for(lambda: _count(prefill, "layer_writes") == writes + 1, 5, "layers 0-1 written")
     out_p = prefill.wait(prefill.call("push", key, [21, 22], 32))
     assert out_p.ok and decode.wait(fd).ok
     assert_landed(prefill, decode, src, before, [21, 22], [42, 43], 32)
@@ -220,7 +221,8 @@ def test_a_layer_write_that_fails_in_nixl_fails_the_push(tmp_path):
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_a_simulated_forward_writes_its_layers_as_it_goes(quad, layerwise):
     """The benchmark's forward (harness.simulated_forward, two layers of two regions here):
-    layer by layer, each layer but the last goes out before the push; without, none does.
+    layer by layer, the first layer (and the last's first region) go out before the push;
+    without, nothing does.
     Either way decode gets every byte and the first token."""
     prefill, decode, address = quad
     src, before = prefill.call("regions"), decode.call("regions")
@@ -230,6 +232,7 @@ def test_a_simulated_forward_writes_its_layers_as_it_goes(quad, layerwise):
     fid, _ = prefill.call("forward", key, [23, 24], 32, 0.01, layerwise)
     out_p, out_d = prefill.wait(fid), decode.wait(fd)
     assert out_p.ok and out_d.ok and out_d.first_token == 1, (out_p, out_d)
-    assert _count(prefill, "layer_writes") - writes == (2 if layerwise else 0)
+    written = _count(prefill, "layer_writes") - writes  # 2, or 1 if the loop lagged a layer
+    assert 1 <= written <= 2 if layerwise else written == 0, written
     assert_landed(prefill, decode, src, before, [23, 24], [44, 45], 32)
     assert_idle(prefill, decode)
