@@ -8,7 +8,8 @@ import pytest
 from kvpush.transfer.endpoint import TransferConfig
 from kvpush.transfer.harness import LayoutSpec, Side
 from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.wire import Compat
+from kvpush.transfer.router import Abandoner
+from kvpush.transfer.wire import Compat, Failure, TransferKey
 from tests.servers import free_port  # noqa: F401 - the transfer tests import it from here
 
 COMPAT = Compat(mode="push", model="tiny", dtype="float16", layout_kind="test")
@@ -49,15 +50,33 @@ def assert_idle(*sides: Side, timeout_s: float = 5.0) -> None:
     wait_for(idle, timeout_s, f"gauges back to 0: {[s.call('gauges') for s in sides]}")
 
 
-@pytest.fixture(scope="module")
-def pair():
-    """One prefill and one decode endpoint, each in its own process."""
+def endpoints(layout: LayoutSpec, seed: int):
+    """One prefill and one decode endpoint over `layout`, each in its own process (a
+    generator for a fixture)."""
     port = free_port()
-    prefill = Side("prefill", prefill_config(port), SPEC, seed=11)
-    decode = Side("decode", decode_config(), SPEC)
+    prefill = Side("prefill", prefill_config(port), layout, seed=seed)
+    decode = Side("decode", decode_config(), layout)
     yield prefill, decode, PrefillAddress("127.0.0.1", port)
     prefill.close()
     decode.close()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    yield from endpoints(SPEC, 11)
+
+
+def give_up(prefill: Side, address: PrefillAddress, key: TransferKey, by: str) -> None:
+    """Prefill's scheduler aborts `key` ("scheduler"), or the router ABANDONs it ("router"),
+    both because the client left."""
+    if by == "scheduler":
+        prefill.wait(prefill.call("abort", key, Failure("aborted", "client left")))
+        return
+    router = Abandoner()
+    try:
+        router.abandon(address, key.transfer_id, "client left")
+    finally:
+        router.close()
 
 
 def spec(**kw) -> LayoutSpec:

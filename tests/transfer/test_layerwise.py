@@ -13,12 +13,12 @@ import pytest
 
 from kvpush.transfer.harness import Side
 from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.router import Abandoner
-from kvpush.transfer.wire import Failure
 from tests.transfer.conftest import (
     assert_idle,
     decode_config,
+    endpoints,
     free_port,
+    give_up,
     prefill_config,
     spec,
     wait_for,
@@ -30,12 +30,7 @@ LAYERS = spec(num_regions=4)
 
 @pytest.fixture(scope="module")
 def quad():
-    port = free_port()
-    prefill = Side("prefill", prefill_config(port), LAYERS, seed=23)
-    decode = Side("decode", decode_config(), LAYERS)
-    yield prefill, decode, PrefillAddress("127.0.0.1", port)
-    prefill.close()
-    decode.close()
+    yield from endpoints(LAYERS, 23)
 
 
 def _count(prefill, name: str) -> int:
@@ -170,14 +165,7 @@ def test_an_abort_after_layers_are_written_fails_decode_and_holds_nothing(quad, 
     fd = _registered(prefill, decode, address, key, [56, 57], 32)
     prefill.wait(prefill.call("prepare", key, [17, 18], 32))
     _layers(prefill, key, 0, 1, 2)
-    if by == "scheduler":
-        prefill.wait(prefill.call("abort", key, Failure("aborted", "client left")))
-    else:
-        router = Abandoner()
-        try:
-            router.abandon(address, key.transfer_id, "client left")
-        finally:
-            router.close()
+    give_up(prefill, address, key, by)
     out_d = decode.wait(fd, timeout_s=5)
     assert (out_d.ok, out_d.cause) == (False, "aborted" if by == "scheduler" else "abandoned")
     assert_idle(prefill, decode)

@@ -9,9 +9,7 @@ import time
 
 import pytest
 
-from kvpush.transfer.router import Abandoner
-from kvpush.transfer.wire import Failure
-from tests.transfer.conftest import assert_idle, wait_for
+from tests.transfer.conftest import assert_idle, give_up, wait_for
 from tests.transfer.test_push import assert_landed, new_key
 
 
@@ -77,14 +75,7 @@ def test_an_abort_after_prepare_holds_nothing(pair, by):
     key = new_key()
     fd = _registered(prefill, decode, address, key, [52, 53], 32)
     prefill.wait(prefill.call("prepare", key, [1, 2], 32))
-    if by == "scheduler":
-        prefill.wait(prefill.call("abort", key, Failure("aborted", "client left")))
-    else:
-        router = Abandoner()
-        try:
-            router.abandon(address, key.transfer_id, "client left")
-        finally:
-            router.close()
+    give_up(prefill, address, key, by)
     out_d = decode.wait(fd, timeout_s=5)
     assert (out_d.ok, out_d.cause) == (False, "aborted" if by == "scheduler" else "abandoned")
     assert_idle(prefill, decode)
