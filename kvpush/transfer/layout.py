@@ -153,6 +153,10 @@ class CopyPlan:
     def total_bytes(self) -> int:
         return int(self.num_bytes.sum())
 
+    def select(self, rows: np.ndarray) -> CopyPlan:
+        """The rows a boolean mask keeps (a push's regions written layer by layer)."""
+        return CopyPlan(self.src_addrs[rows], self.dst_addrs[rows], self.num_bytes[rows])
+
     def descs(self, dev_src: int, dev_dst: int) -> tuple[np.ndarray, np.ndarray]:
         """Nx3 (addr, len, device) arrays, the form NIXL takes."""
         n = self.num_descs

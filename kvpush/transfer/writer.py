@@ -336,8 +336,7 @@ class PrefillEndpoint(Endpoint):
         pieces.sent = upto
         if not rows.any():
             return
-        plan = pieces.plan
-        part = CopyPlan(plan.src_addrs[rows], plan.dst_addrs[rows], plan.num_bytes[rows])
+        part = pieces.plan.select(rows)
         peer = self._peers[address]
         handle = None
         try:
@@ -400,9 +399,7 @@ class PrefillEndpoint(Endpoint):
         lay = self._layered[w.key]
         if w.reg != pieces.reg or w.source.block_ids != lay.source.block_ids:
             return None
-        rows = pieces.regions >= pieces.sent
-        plan = pieces.plan
-        rest = CopyPlan(plan.src_addrs[rows], plan.dst_addrs[rows], plan.num_bytes[rows])
+        rest = pieces.plan.select(pieces.regions >= pieces.sent)
         src, dst = rest.descs(self.layout.dev_id, self._peers[w.peer].layout.dev_id)
         return rest, src, dst
 
