@@ -88,6 +88,11 @@ class Matcher:
         return sum(1 for p in self._pending.values() if not p.writing)
 
     @property
+    def num_registrations(self) -> int:
+        """Decode ranks registered and not yet being written."""
+        return sum(len(p.regs) for p in self._pending.values())
+
+    @property
     def num_in_flight(self) -> int:
         return sum(len(p.writing) for p in self._pending.values())
 

@@ -784,6 +784,7 @@ class PrefillEndpoint(Endpoint):
     def _read_gauges(self) -> dict[str, int]:
         return {
             "pending_match": self._matcher.num_pending_match,
+            "registrations": self._matcher.num_registrations,
             "in_flight": len(self._in_flight),
             "held_sources": len(self._futures),
             "unclaimed_sources": len(self._unclaimed),

@@ -230,50 +230,79 @@ def check_block_sizes(sides, src_bs: int, dst_bs: int, device: str = "cpu", **cf
     return [prefill, decode]
 
 
-def _tp(rank: int, tp: int, heads: int = 4, device: str = "cpu"):
+def _tp(rank: int, tp: int, heads: int = 4, device: str = "cpu", layers: int = 1):
     per = heads // tp
-    return spec(num_heads=per, first_head=rank * per, total_heads=heads, device=device)
+    return spec(
+        num_heads=per,
+        first_head=rank * per,
+        total_heads=heads,
+        device=device,
+        num_regions=2 * layers,
+    )
 
 
-def test_tp1_prefill_to_tp2_decode_splits_heads(sides):
-    tp1_to_tp2(sides)
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layer_by_layer"])
+def test_tp1_prefill_to_tp2_decode_splits_heads(sides, layered):
+    tp1_to_tp2(sides, layered=layered)
 
 
-def tp1_to_tp2(sides, device: str = "cpu", **cfg) -> list:
+def tp1_to_tp2(sides, device: str = "cpu", layered: bool = False, **cfg) -> list:
     port = free_port()
-    prefill = sides("prefill", prefill_config(port, **cfg), _tp(0, 1, device=device))
+    prefill = sides(
+        "prefill", prefill_config(port, **cfg), _tp(0, 1, device=device, layers=1 + layered)
+    )
     decodes = [
-        sides("decode", decode_config(rank=r, tp_size=2, **cfg), _tp(r, 2, device=device))
-        for r in range(2)
-    ]
-    check_tp(port, [prefill], decodes, prefill_tp=1)
-    return [prefill, *decodes]
-
-
-def test_tp2_prefill_to_tp1_decode_gathers_heads(sides):
-    tp2_to_tp1(sides)
-
-
-def tp2_to_tp1(sides, device: str = "cpu", **cfg) -> list:
-    port = free_port(span=2)
-    prefills = [
         sides(
-            "prefill", prefill_config(port + r, rank=r, tp_size=2, **cfg), _tp(r, 2, device=device)
+            "decode",
+            decode_config(rank=r, tp_size=2, **cfg),
+            _tp(r, 2, device=device, layers=1 + layered),
         )
         for r in range(2)
     ]
-    decode = sides("decode", decode_config(**cfg), _tp(0, 1, device=device))
-    check_tp(port, prefills, [decode], prefill_tp=2)
+    check_tp(port, [prefill], decodes, prefill_tp=1, layered=layered)
+    return [prefill, *decodes]
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layer_by_layer"])
+def test_tp2_prefill_to_tp1_decode_gathers_heads(sides, layered):
+    tp2_to_tp1(sides, layered=layered)
+
+
+def tp2_to_tp1(sides, device: str = "cpu", layered: bool = False, **cfg) -> list:
+    port = free_port(span=2)
+    prefills = [
+        sides(
+            "prefill",
+            prefill_config(port + r, rank=r, tp_size=2, **cfg),
+            _tp(r, 2, device=device, layers=1 + layered),
+        )
+        for r in range(2)
+    ]
+    decode = sides("decode", decode_config(**cfg), _tp(0, 1, device=device, layers=1 + layered))
+    check_tp(port, prefills, [decode], prefill_tp=2, layered=layered)
     return [*prefills, decode]
 
 
-def check_tp(port, prefills, decodes, prefill_tp):
+def check_tp(port, prefills, decodes, prefill_tp, layered=False):
+    """Each decode rank gets exactly its heads from every prefill rank that holds them.
+    `layered`: every prefill rank writes its layers to every decode rank it feeds as they
+    are computed (PrefillEndpoint.computed), all but the last before the push."""
     address = PrefillAddress("127.0.0.1", port, prefill_tp)
     key = new_key()
     src = [p.call("regions") for p in prefills]
     before = [d.call("regions") for d in decodes]
     src_ids, dst_ids = [4, 5, 6], [10, 12, 14]
     fds = [d.call("expect", key, address, dst_ids, 40) for d in decodes]
+    if layered:
+        feeds = len(decodes) // len(prefills) or 1  # decode ranks each prefill rank writes to
+        for p in prefills:
+            wait_for(lambda p=p: p.call("gauges")["registrations"] == feeds, 5, "registrations")
+            p.wait(p.call("prepare", key, src_ids, 40))
+            writes = p.call("counters")["layer_writes"]
+            for r in range(p.spec.num_regions):
+                p.wait(p.call("computed", [key], [r]))
+            assert p.call("counters")["layer_writes"] == writes + feeds * (p.spec.num_regions - 1)
+        assert not any(d.call("done", f) for d, f in zip(decodes, fds, strict=True))
     fps = [p.call("push", key, src_ids, 40) for p in prefills]
     assert all(p.wait(f).ok for p, f in zip(prefills, fps, strict=True))
     assert all(d.wait(f).ok for d, f in zip(decodes, fds, strict=True))

@@ -103,12 +103,14 @@ def test_cuda_block_size_mismatch_lands_token_exact(sides, src_bs, dst_bs):
     check_block_sizes(sides, src_bs, dst_bs, device="cuda")
 
 
-def test_cuda_tp1_prefill_to_tp2_decode_splits_heads(sides):
-    tp1_to_tp2(sides, device="cuda")
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layer_by_layer"])
+def test_cuda_tp1_prefill_to_tp2_decode_splits_heads(sides, layered):
+    tp1_to_tp2(sides, device="cuda", layered=layered)
 
 
-def test_cuda_tp2_prefill_to_tp1_decode_gathers_heads(sides):
-    tp2_to_tp1(sides, device="cuda")
+@pytest.mark.parametrize("layered", [False, True], ids=["whole", "layer_by_layer"])
+def test_cuda_tp2_prefill_to_tp1_decode_gathers_heads(sides, layered):
+    tp2_to_tp1(sides, device="cuda", layered=layered)
 
 
 def test_batch_copy_kernel_moves_scattered_rows_byte_exact():
