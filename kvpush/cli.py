@@ -9,6 +9,7 @@ import math
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _model(args: argparse.Namespace) -> int:
@@ -143,13 +144,36 @@ def pin_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: ...)" after each option's help, except where there is nothing
+    to show (no value, an empty list, a flag that only switches something off or on) or the
+    help says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if flag or "default" in text or action.default in (None, [], "", math.inf):
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every parser and subcommand's parser shows its defaults (ShowDefaults)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", ShowDefaults)
+        super().__init__(*args, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvpush",
         description="Push-mode KV-cache transfer for prefill/decode disaggregated vLLM serving.",
     )
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+    )
 
     model = sub.add_parser("model", help="build the embedded tiny model")
     model.add_argument("name", choices=["tiny"], help="which embedded model")
@@ -157,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.set_defaults(func=_model)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON")
-    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bench_sub = bench.add_subparsers(
+        dest="bench", required=True, metavar="BENCH", parser_class=Parser
+    )
     transfer = bench_sub.add_parser(
         "transfer", help="push vs pull vs raw NIXL WRITE, on DRAM or a CUDA GPU"
     )
@@ -180,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ttft", help="one request at a time: proxy vs prefill vs decode vs one plain engine"
     )
     bttft.add_argument("--out", help="JSON file to write")
-    bttft.add_argument("--num-requests", type=int, default=8)
-    bttft.add_argument("--prompt-tokens", type=int, default=300)
-    bttft.add_argument("--output-tokens", type=int, default=64)
+    bttft.add_argument("--num-requests", type=int, default=8, help="requests per way in")
+    bttft.add_argument("--prompt-tokens", type=int, default=300, help="each prompt's length")
+    bttft.add_argument("--output-tokens", type=int, default=64, help="tokens each request makes")
     bttft.add_argument(
         "--qps",
         type=float,
@@ -247,10 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start one vLLM engine with the right connector config")
     serve.add_argument("--role", choices=["prefill", "decode", "mono"], required=True)
     serve.add_argument(
-        "--connector", choices=["kvpush", "nixl-push", "nixl-pull"], default="kvpush"
+        "--connector",
+        choices=["kvpush", "nixl-push", "nixl-pull"],
+        default="kvpush",
+        help="the KV connector the engine loads",
     )
     serve.add_argument("--model", help="model path or name (default: the embedded tiny model)")
-    serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--port", type=int, default=8100, help="the engine's HTTP port")
     serve.add_argument("--kv-host", default="127.0.0.1", help="address the side channel binds")
     serve.add_argument(
         "--side-channel-port",
@@ -284,7 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     up = sub.add_parser("up", help="start prefill + decode engines and the proxy locally")
-    up.add_argument("--connector", choices=["kvpush", "nixl-push", "nixl-pull"], default="kvpush")
+    up.add_argument(
+        "--connector",
+        choices=["kvpush", "nixl-push", "nixl-pull"],
+        default="kvpush",
+        help="what the engines run",
+    )
     up.add_argument("--model", help="default: the embedded tiny model")
     up.add_argument("--prefill", type=int, default=1, help="prefill engines (ports 8100...)")
     up.add_argument("--decode", type=int, default=1, help="decode engines (ports 8200...)")

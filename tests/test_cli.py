@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import subprocess
 import sys
@@ -112,3 +114,31 @@ def test_up_refuses_bad_connector_settings_before_starting_anything(tmp_path, ar
     assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
     assert message in proc.stdout + proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "kvpush"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, p in action.choices.items():
+                yield from _parsers(p, f"{name} {sub}")
+
+
+def test_every_option_that_takes_a_value_names_its_default_in_help():
+    """What a user leaves out is named in `--help` (the proxy's from ProxyConfig)."""
+    from kvpush.cli import build_parser
+    from kvpush.proxy.config import ProxyConfig
+
+    missing = []
+    for name, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or action.help is None:
+                continue
+            help_text = parser._get_formatter()._expand_help(action)
+            proxy_default = (
+                name == "kvpush proxy" and action.dest in ProxyConfig.__dataclass_fields__
+            )
+            has_default = action.default not in (None, [], "", math.inf) or proxy_default
+            if has_default and "default" not in help_text:
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert not missing, missing

@@ -37,16 +37,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--connector",
         choices=["kvpush", "nixl-push", "nixl-pull"],
         default=None,
-        help="what the engines run (default kvpush): push or pull dispatch",
+        help=f"what the engines run: push or pull dispatch (default: {ProxyConfig.connector})",
     )
-    p.add_argument("--policy", choices=POLICIES, default=None)
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help=f"how a decode engine is picked (default: {ProxyConfig.policy})",
+    )
     p.add_argument(
         "--max-decode-prompt-tokens",
         type=int,
         default=None,
-        help="outstanding prompt tokens per decode engine before 503",
+        help="outstanding prompt tokens per decode engine before 503 "
+        f"(default: {ProxyConfig.max_decode_prompt_tokens:,})",
     )
-    p.add_argument("--request-timeout-s", type=float, default=None)
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help=f"each engine leg's time limit (default: {ProxyConfig.request_timeout_s:g} s)",
+    )
     p.add_argument(
         "--no-first-token",
         dest="first_token",
@@ -56,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kvpush: the client's first token comes from decode's stream, not prefill's "
         "answer (default: from prefill, where the decode engine declares forces_first_token)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
+    p.add_argument("--port", type=int, default=8000, help="the proxy's port")
 
 
 def parse_engine(spec: str, role: str) -> EngineInfo:
