@@ -6,8 +6,9 @@ One process, two NIXL agents over UCX, progress thread off; one layer = its K an
 of one Qwen3-32B TP-8 rank at 1,024 tokens (64 blocks of 4 KiB each), 64 layers, each WRITE
 waited for before the next. Medians over 640 WRITEs after 3 warm-up rounds.
 
-    python benchmarks/scripts/layer_post_cost.py OUT.json [cuda]
-(cuda: both agents' buffers on GPU 0, VRAM)
+    python benchmarks/scripts/layer_post_cost.py OUT.json [cpu|cuda] [one|apart]
+(cuda: both agents' buffers on GPU 0, VRAM; apart: each region its own allocation, not one
+allocation per side)
 """
 
 import json
@@ -22,7 +23,7 @@ LAYERS, BLOCKS, BLOCK_BYTES = 64, 64, 4096
 ROUNDS = 640
 
 
-def main(out: str, device: str = "cpu") -> None:
+def main(out: str, device: str = "cpu", alloc: str = "one") -> None:
     from kvpush.transfer.agent import _nixl_api
 
     api = _nixl_api()
@@ -30,17 +31,21 @@ def main(out: str, device: str = "cpu") -> None:
     cfg = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
     a, b = nixl_agent("a", cfg), nixl_agent("b", cfg)
     size = BLOCKS * BLOCK_BYTES
+    # `apart`: every region its own allocation; else one allocation per side, sliced into
+    # regions, as vLLM allocates a layer's KV cache in one
+    count, each = (4 * LAYERS, size) if alloc == "apart" else (2, 2 * LAYERS * size)
     if device == "cuda":
         import torch
 
         torch.cuda.set_device(0)
-        keep = [torch.zeros(size, dtype=torch.uint8, device="cuda") for _ in range(4 * LAYERS)]
-        addrs = [t.data_ptr() for t in keep]
+        keep = [torch.zeros(each, dtype=torch.uint8, device="cuda") for _ in range(count)]
+        bases = [t.data_ptr() for t in keep]
         mem = "VRAM"
     else:
-        keep = [np.zeros(size, np.uint8) for _ in range(4 * LAYERS)]
-        addrs = [x.ctypes.data for x in keep]
+        keep = [np.zeros(each, np.uint8) for _ in range(count)]
+        bases = [x.ctypes.data for x in keep]
         mem = "DRAM"
+    addrs = [base + i * size for base in bases for i in range(each // size)]
     src, dst = addrs[: 2 * LAYERS], addrs[2 * LAYERS :]
     for agent, bufs in ((a, src), (b, dst)):
         agent.register_memory([(x, size, 0, "") for x in bufs], mem)
@@ -117,7 +122,13 @@ def main(out: str, device: str = "cpu") -> None:
             "spinner_gap_ms_total": sum(gaps) * 1e3,
         }
 
-    result = {"device": device, "layers": LAYERS, "bytes_per_write": 2 * size, "writes": ROUNDS}
+    result = {
+        "device": device,
+        "allocations": alloc,
+        "layers": LAYERS,
+        "bytes_per_write": 2 * size,
+        "writes": ROUNDS,
+    }
     for name, way in (("initialize_xfer", initialized), ("make_prepped_xfer", prepped)):
         for _ in range(3):
             for layer in range(LAYERS):
