@@ -20,6 +20,9 @@ from kvpush.transfer.wire import CAUSES
 
 GAUGES = {
     "pending_match": "prefill: transfers waiting for their registration or their prefill",
+    "registrations": "prefill: decode ranks registered and not yet written",
+    "layered": "prefill: transfers being written layer by layer",
+    "layer_writes_in_flight": "prefill: layer WRITEs posted and not yet complete",
     "in_flight": "prefill: WRITEs posted and not yet complete",
     "held_sources": "prefill: requests whose blocks are held for a push",
     "expected": "decode: requests whose blocks wait for prefill's WRITEs",

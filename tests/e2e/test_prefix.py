@@ -10,7 +10,16 @@ import time
 
 import pytest
 
-from tests.e2e.client import disagg, metric_samples, plain, session, text_of, tokens, wait_idle
+from tests.e2e.client import (
+    disagg,
+    kvpush_gauges,
+    metric_samples,
+    plain,
+    session,
+    text_of,
+    tokens,
+    wait_idle,
+)
 from tests.e2e.conftest import as_pair, pair_specs, start
 
 pytestmark = pytest.mark.e2e
@@ -100,3 +109,6 @@ def test_pushes_are_written_layer_by_layer_while_prefill_computes(rpair, mono_ur
         assert time.monotonic() < deadline, f"{layered() - before} of 3 pushes layer by layer"
         time.sleep(0.1)
     wait_idle(rpair.prefill_url, rpair.decode_url, timeout_s=2)
+    # ... and its gauges are on /metrics, back at 0 (wait_idle checks those it finds)
+    gauges = kvpush_gauges(rpair.prefill_url)
+    assert {"registrations", "layered", "layer_writes_in_flight"} <= gauges.keys(), gauges
