@@ -144,25 +144,21 @@ def pin_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-class ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's "(default: ...)" after each option's help, except where there is nothing
-    to show (no value, an empty list, a flag that only switches something off or on) or the
-    help says it already."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        flag = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
-        if flag or "default" in text or action.default in (None, [], "", math.inf):
-            return text
-        return super()._get_help_string(action)
-
-
 class Parser(argparse.ArgumentParser):
-    """Every parser and subcommand's parser shows its defaults (ShowDefaults)."""
+    """Each option that takes a value names its default in `--help` (argparse's
+    `%(default)s`), unless it has none (no value, an empty list) or its help names it."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        kw.setdefault("formatter_class", ShowDefaults)
-        super().__init__(*args, **kw)
+    def add_argument(self, *args: Any, **kw: Any) -> argparse.Action:
+        text, default = kw.get("help"), kw.get("default")
+        takes_value = kw.get("action") in (None, "store", argparse.BooleanOptionalAction)
+        if (
+            isinstance(text, str)
+            and takes_value
+            and "default" not in text
+            and default not in (None, [], "", math.inf)
+        ):
+            kw["help"] = f"{text} (default: %(default)s)"
+        return super().add_argument(*args, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -132,7 +132,8 @@ def test_every_option_that_takes_a_value_names_its_default_in_help():
     missing = []
     for name, parser in _parsers(build_parser()):
         for action in parser._actions:
-            if not action.option_strings or action.nargs == 0 or action.help is None:
+            on_off = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+            if not action.option_strings or on_off or action.help is None:
                 continue
             help_text = parser._get_formatter()._expand_help(action)
             proxy_default = (
