@@ -118,6 +118,19 @@ def _run_aiohttp(app: web.Application, port: int) -> Iterator[None]:
         yield
     finally:
         asyncio.run_coroutine_threadsafe(r.cleanup(), loop).result(timeout=30)
+        left = asyncio.run_coroutine_threadsafe(_end_tasks(), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+    # A task the app left running would die with the loop, and what it held (an upstream
+    # response, say) would reach the garbage collector in some later test: fail this one.
+    assert not left, f"tasks still running after the server shut down: {left}"
+
+
+async def _end_tasks() -> list[str]:
+    """The tasks other than this one still on the loop, cancelled and waited for."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return [repr(t.get_coro()) for t in tasks]

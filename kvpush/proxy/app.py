@@ -72,6 +72,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         await pool.start()
         yield
+        await dispatcher.close()
         await pool.stop()
         if abandoner is not None:
             abandoner.close()

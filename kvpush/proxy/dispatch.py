@@ -117,7 +117,23 @@ class Dispatcher:
     ) -> None:
         self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
         self.abandoner = abandoner
-        self._reusing: set[asyncio.Task] = set()
+        # tasks that outlive the handler that started them: prefill legs (a streamed answer
+        # can end before prefill's does) and the reads of complete streams' ends (_reuse)
+        self._background: set[asyncio.Future] = set()
+
+    async def close(self) -> None:
+        """At shutdown, before the pool's clients close: end the tasks that still hold an
+        upstream response, so that each is closed here and none is left to the garbage
+        collector with its connection open."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _track(self, task: asyncio.Future) -> asyncio.Future:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def dispatch(
         self, body: dict, chat: bool, headers: dict, trace: Trace, accept: Accept | None = None
@@ -184,7 +200,9 @@ class Dispatcher:
         pool.acquire(prefill, tokens)
         pool.acquire(decode, tokens, waiting=True)
         trace.mark("legs_sent")
-        p_task = asyncio.ensure_future(self._prefill(prefill, p_body, chat, headers, trace))
+        p_task = self._track(
+            asyncio.ensure_future(self._prefill(prefill, p_body, chat, headers, trace))
+        )
 
         def prefill_ended(task: asyncio.Future) -> None:
             pool.release(prefill, tokens)
@@ -395,12 +413,9 @@ class Dispatcher:
                 raise
             d_resp.release()
 
-        task = asyncio.ensure_future(at_end())
-        self._reusing.add(task)
-        task.add_done_callback(self._reused)
+        self._track(asyncio.ensure_future(at_end())).add_done_callback(self._reused)
 
-    def _reused(self, task: asyncio.Task) -> None:
-        self._reusing.discard(task)
+    def _reused(self, task: asyncio.Future) -> None:
         if not task.cancelled() and (e := task.exception()) is not None:
             log.debug("a complete stream's connection was closed, not reused: %r", e)
 

@@ -167,11 +167,13 @@ class FrontEnd:
         await self._handle(scope, receive, send, body, _ROUTES[path])
 
     def _on_lifespan(self, send: Send) -> Send:
-        """Close the pool's clients and the ABANDON sockets when the server shuts down."""
+        """When the server shuts down: end the dispatcher's tasks, close the pool's clients and
+        the ABANDON sockets."""
 
         async def wrapped(message: dict) -> None:
             if message["type"].startswith("lifespan.shutdown"):
                 if self._started is not None:
+                    await self.dispatcher.close()
                     with contextlib.suppress(Exception):
                         await self.pool.stop()
                 self.abandoner.close()

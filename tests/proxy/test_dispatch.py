@@ -481,6 +481,32 @@ def test_a_complete_stream_whose_end_never_comes_is_closed_not_reused(monkeypatc
     asyncio.run(go())
 
 
+def test_close_ends_what_outlives_the_handlers_and_closes_their_responses():
+    """At shutdown a complete stream's end may still be unread (its connection not yet back
+    in the pool) and a prefill leg may still run: `close` ends both, and decode's response is
+    closed, not left to the garbage collector with its connection open (aiohttp's "Unclosed
+    connection" warning, later, in whatever runs then)."""
+
+    async def go():
+        dispatcher, pool, legs, _ = make()  # vLLM's push: decode may answer before prefill
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: legs.decode_calls)
+        decode = legs.decodes[0]
+        decode.chunks.put_nowait(b"data: 1\n\n")
+        answer = await task
+        decode.chunks.put_nowait(b"data: [DONE]\n\n")  # its chunked end not yet
+        await dispatcher.relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        await asyncio.sleep(0.01)
+        prefill = legs.prefills[0]
+        assert not prefill.done() and not decode.closed and not decode.released
+        await dispatcher.close()
+        assert decode.closed and not decode.released
+        assert prefill.cancelled()
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
 def test_a_streamed_request_is_accepted_once_decode_has_and_before_prefills_answer():
     """The client's headers go out when decode accepts, so that the first token later leaves
     in one write; a request decode refuses, or one not streamed, is never accepted."""
