@@ -236,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--iterations", type=int, default=1, help="runs of each point (default: %(default)s)"
     )
     bserve.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="bring the stacks up in turn this many times, each round running every stack's "
+        "points once: on a noisy host, connectors are then compared over interleaved runs "
+        "(default: %(default)s)",
+    )
+    bserve.add_argument(
         "--num-prompts", type=int, default=16, help="requests a point (default: %(default)s)"
     )
     bserve.add_argument(

@@ -69,7 +69,8 @@ def test_bench_serve_refuses_bad_input_before_starting_anything(tmp_path):
         (["--input-lens", "0"], "--input-lens must be numbers > 0, got '0'"),
         (["--url", "http://127.0.0.1:9"], "--url needs --mode NAME"),
         (["--connectors", "kvpush,magic"], "unknown connectors ['magic']"),
-        (["--num-prompts", "0"], "--num-prompts and --iterations must be >= 1"),
+        (["--num-prompts", "0"], "--num-prompts, --iterations and --rounds must be >= 1"),
+        (["--rounds", "0"], "--num-prompts, --iterations and --rounds must be >= 1"),
         (["--connector-extra", "{fast"], "argument --connector-extra: not JSON"),
     ]
     for args, message in cases:

@@ -1,8 +1,9 @@
 """`kvpush bench serve`: the QPS x input-length sweep, one `vllm bench serve` per grid point.
 
 For each connector it brings up a local stack (or uses --url), runs every grid point with
-the same QPS, input and output lists, and writes vLLM's result JSON as
-`<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the results folder, with kvpush's additions
+the same QPS, input and output lists (with `--rounds N`, the stacks in turn, N times over),
+and writes vLLM's result JSON as `<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the
+results folder, with kvpush's additions
 (mode, grid point, hardware, the engines' settings, the proxy's per-phase timeline and
 `decode_waiting_on_prefill`). `mono` is one plain engine with no disaggregation: the reference
 for what disaggregation itself costs. `kvpush-front-end` is the kvpush stack with the clients'
@@ -62,14 +63,16 @@ def sweep(
     tokenizer: str,
     model_name: str = "tiny",
     engines: dict | None = None,
+    first_iteration: int = 0,
 ) -> list[Path]:
     """A warm-up per input length, then every grid point, each one `vllm bench serve`; one
-    line per point as it finishes."""
+    line per point as it finishes. Iterations are numbered from `first_iteration` (a later
+    round of `--rounds`), which also picks their prompts."""
     written = []
     timelines = url + ("/kvpush/timelines" if mode == FRONT_END else "/timelines")
     for n_in in input_lens:
         vllm_bench.warm_up(url, tokenizer, model_name, n_in, output_lens[0])
-    for it in range(iterations):
+    for it in range(first_iteration, first_iteration + iterations):
         for q in qps_list:
             for n_in in input_lens:
                 for n_out in output_lens:
@@ -179,6 +182,13 @@ def _numbers(text: str, kind: type, flag: str) -> list:
     return values
 
 
+def rounds(modes: list[str], num_rounds: int, iterations: int) -> list[tuple[str, int]]:
+    """Each stack to bring up, in order, with the first iteration number of its results: the
+    modes in turn, `num_rounds` times. A host whose speed drifts over minutes (a shared one)
+    then drifts under every connector alike, instead of under whichever ran last."""
+    return [(m, r * iterations) for r in range(num_rounds) for m in modes]
+
+
 def main(args: object) -> int:
     from kvpush.launch import tinymodel
     from kvpush.settings import SETTINGS
@@ -191,8 +201,8 @@ def main(args: object) -> int:
             iterations=args.iterations,
             num_prompts=args.num_prompts,
         )
-        if args.num_prompts < 1 or args.iterations < 1:
-            raise ValueError("--num-prompts and --iterations must be >= 1")
+        if args.num_prompts < 1 or args.iterations < 1 or args.rounds < 1:
+            raise ValueError("--num-prompts, --iterations and --rounds must be >= 1")
     except ValueError as e:
         print(f"kvpush bench serve: {e}", file=sys.stderr)
         return 2
@@ -204,8 +214,9 @@ def main(args: object) -> int:
             return 2
         results_dir.mkdir(parents=True, exist_ok=True)
         tokenizer = args.tokenizer or args.model or str(tinymodel.ensure())
-        sweep(args.mode, args.url.rstrip("/"), results_dir=results_dir, tokenizer=tokenizer,
-              model_name=args.served_model_name, **grid)  # fmt: skip
+        for _, first in rounds([args.mode], args.rounds, args.iterations):
+            sweep(args.mode, args.url.rstrip("/"), results_dir=results_dir, tokenizer=tokenizer,
+                  model_name=args.served_model_name, first_iteration=first, **grid)  # fmt: skip
         print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
         return 0
     modes = [m.strip() for m in args.connectors.split(",")]
@@ -218,8 +229,9 @@ def main(args: object) -> int:
     model = args.model or str(tinymodel.ensure())
     engine_kw = {"extra_args": tuple(args.vllm_arg), "pin_cores": args.pin_cores}
     connector_extra = args.connector_extra  # checked by the argument parser
-    for mode in modes:
-        print(f"kvpush bench serve: bringing up {mode} {engine_kw}", flush=True)
+    for n, (mode, first) in enumerate(rounds(modes, args.rounds, args.iterations), 1):
+        turn = f" (stack {n} of {len(modes) * args.rounds})" if args.rounds > 1 else ""
+        print(f"kvpush bench serve: bringing up {mode}{turn} {engine_kw}", flush=True)
         stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", connector_extra, **engine_kw)
         stack.start()
         try:
@@ -229,7 +241,7 @@ def main(args: object) -> int:
             tokenizer = args.tokenizer or model
             url = mode_url(mode, stack)
             sweep(mode, url, results_dir=results_dir, tokenizer=tokenizer, engines=engines,
-                  **grid)  # fmt: skip
+                  first_iteration=first, **grid)  # fmt: skip
         finally:
             stack.stop()
     print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
