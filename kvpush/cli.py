@@ -227,28 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="stacks, in this order (default: %(default)s); kvpush-front-end: the kvpush "
         "stack, clients at the prefill engine's front end",
     )
-    bserve.add_argument("--qps", default="1,4", help="request rates (default: %(default)s)")
-    bserve.add_argument(
-        "--input-lens", default="256,1024", help="prompt tokens (default: %(default)s)"
-    )
-    bserve.add_argument("--output-lens", default="16", help="output tokens (default: %(default)s)")
-    bserve.add_argument(
-        "--iterations", type=int, default=1, help="runs of each point (default: %(default)s)"
-    )
+    bserve.add_argument("--qps", default="1,4", help="request rates")
+    bserve.add_argument("--input-lens", default="256,1024", help="prompt tokens")
+    bserve.add_argument("--output-lens", default="16", help="output tokens")
+    bserve.add_argument("--iterations", type=int, default=1, help="runs of each point")
     bserve.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="bring the stacks up in turn this many times, each round running every stack's "
-        "points once: on a noisy host, connectors are then compared over interleaved runs "
-        "(default: %(default)s)",
+        "points once: on a noisy host, connectors are then compared over interleaved runs",
     )
-    bserve.add_argument(
-        "--num-prompts", type=int, default=16, help="requests a point (default: %(default)s)"
-    )
-    bserve.add_argument(
-        "--results-dir", default="results/bench", help="JSON goes here (default: %(default)s)"
-    )
+    bserve.add_argument("--num-prompts", type=int, default=16, help="requests a point")
+    bserve.add_argument("--results-dir", default="results/bench", help="JSON goes here")
     bserve.add_argument("--model", help="default: the embedded tiny model")
     bserve.add_argument(
         "--url", help="benchmark this running endpoint (a stack started elsewhere) instead"

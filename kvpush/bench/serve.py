@@ -214,9 +214,9 @@ def main(args: object) -> int:
             return 2
         results_dir.mkdir(parents=True, exist_ok=True)
         tokenizer = args.tokenizer or args.model or str(tinymodel.ensure())
-        for _, first in rounds([args.mode], args.rounds, args.iterations):
-            sweep(args.mode, args.url.rstrip("/"), results_dir=results_dir, tokenizer=tokenizer,
-                  model_name=args.served_model_name, first_iteration=first, **grid)  # fmt: skip
+        grid["iterations"] *= args.rounds  # one endpoint: no stacks to take in turn
+        sweep(args.mode, args.url.rstrip("/"), results_dir=results_dir, tokenizer=tokenizer,
+              model_name=args.served_model_name, **grid)  # fmt: skip
         print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
         return 0
     modes = [m.strip() for m in args.connectors.split(",")]
