@@ -55,6 +55,7 @@ def _bench_ttft(args: argparse.Namespace) -> int:
         args.pin_cores,
         args.connector_extra,
         args.qps,
+        args.in_process_executor,
     )
 
 
@@ -89,6 +90,7 @@ def _up(args: argparse.Namespace) -> int:
         args.port,
         args.detach,
         pin_cores=args.pin_cores,
+        in_process=args.in_process_executor,
         first_token=args.first_token,
         front_end=args.front_end,
         connector_extra=args.connector_extra,
@@ -141,6 +143,14 @@ def pin_flag(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="CPU: each engine's whole process tree on its cores, not only its OpenMP threads",
+    )
+    parser.add_argument(
+        "--in-process-executor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's in-process executor (the worker in the engine core's process, no "
+        "spinning queue between them; TP 1 only). Default: kvpush's own engines on CPU at TP "
+        "1; one plain engine and vLLM's connectors keep vLLM's choice",
     )
 
 

