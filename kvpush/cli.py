@@ -137,7 +137,8 @@ def connector_extra_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def pin_flag(parser: argparse.ArgumentParser) -> None:
+def engine_flags(parser: argparse.ArgumentParser) -> None:
+    """How each engine a command starts runs: pinned to its cores (CPU), and vLLM's executor."""
     parser.add_argument(
         "--pin-cores",
         action=argparse.BooleanOptionalAction,
@@ -228,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="an argument for every engine, e.g. --vllm-arg=--distributed-executor-backend=uni",
     )
     connector_extra_flag(bttft)
-    pin_flag(bttft)
+    engine_flags(bttft)
     bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
     bserve.add_argument(
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-arg", action="append", default=[], help="an argument for every engine started"
     )
     connector_extra_flag(bserve)
-    pin_flag(bserve)
+    engine_flags(bserve)
     bserve.set_defaults(func=_bench_serve)
 
     plot = sub.add_parser("plot", help="figures and summary.md from bench serve results")
@@ -313,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a description JSON from `kvpush serve --describe-to`, or as `kvpush proxy --decode` "
         "takes it (repeatable)",
     )
-    pin_flag(serve)
+    engine_flags(serve)
     serve.add_argument("vllm_args", nargs="*", help="after --: extra vLLM arguments")
     serve.set_defaults(func=_serve)
 
@@ -342,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/architecture.md, 'The front end'); the proxy still runs",
     )
     connector_extra_flag(up)
-    pin_flag(up)
+    engine_flags(up)
     up.set_defaults(func=_up)
 
     down = sub.add_parser("down", help="stop a stack started with `kvpush up --detach`")
