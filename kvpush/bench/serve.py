@@ -239,8 +239,8 @@ def main(args: object) -> int:
         stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", connector_extra, **engine_kw)
         stack.start()
         try:
-            engines = engine_kw | {"extra_args": list(args.vllm_arg)}
-            engines["in_process"] = {s.name: s.executor_in_process for s in stack.specs}
+            in_process = {s.name: s.executor_in_process for s in stack.specs}  # as each ran
+            engines = engine_kw | {"extra_args": list(args.vllm_arg), "in_process": in_process}
             if connector_of(mode) == "kvpush":
                 engines["connector_extra"] = connector_extra
             tokenizer = args.tokenizer or model

@@ -116,13 +116,13 @@ def main(
     log_dir = SETTINGS.cache_dir / "logs"
     result: dict = {"benchmark": "ttft", "num_requests": num_requests, "vllm_args": vllm_args}
     result["pin_cores"], result["connector_extra"] = pin_cores, connector_extra or {}
-    result["in_process"] = in_process
     result["qps"] = None if math.isinf(qps) else qps  # None: back to back
     result |= {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
 
     engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores, "in_process": in_process}
     specs = stack_specs(model, "kvpush", 1, 1, connector_extra=connector_extra or {}, **engine_kw)
     stack = Stack(specs, "kvpush", PROXY_PORT, log_dir, front_end=True)
+    result["in_process"] = {s.name: s.executor_in_process for s in specs}  # as each ran
     print(f"kvpush bench ttft: kvpush 1P1D, engines with {list(vllm_args)}, pinned {pin_cores}")
     stack.start()
     try:
@@ -153,6 +153,7 @@ def main(
     finally:
         stack.stop()
     mono = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
+    result["in_process"]["mono"] = mono.executor_in_process
     plain = Stack([mono], "mono", PROXY_PORT, log_dir, with_proxy=False)
     plain.start()
     try:

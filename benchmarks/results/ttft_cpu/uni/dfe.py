@@ -1,19 +1,29 @@
 """One-off: on one running front-end stack, the same request straight to the prefill engine
-(x-kvpush-front-end: off) and through its front end, in random order, paired."""
+(x-kvpush-front-end: off) and through its front end, in random order, paired.
+
+`python dfe.py ROUNDS OUT.json [text]`: with `text`, each prompt is text (random token ids
+decoded by the model's tokenizer, as `vllm bench serve`'s random dataset makes them), the
+gaps are Poisson at 1/s (the grid's lowest load), and 256 tokens only (dfe_text1.json)."""
 import asyncio, json, random, sys, time, statistics as st
 from kvpush import httpclient
 N = int(sys.argv[1]); out = sys.argv[2]; url = "http://127.0.0.1:8100"
+text = sys.argv[3:] == ["text"]
+if text:
+    from kvpush.launch import tinymodel
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tinymodel.ensure()))
 KINDS = {"direct": {"x-kvpush-front-end": "off"}, "fe": {}}
 async def main():
     rng = random.Random(time.time_ns()); res = {}
     async with httpclient.session() as s:
-        for n_in in (256, 1024):
+        for n_in in (256,) if text else (256, 1024):
             r_ = res[n_in] = {k: [] for k in KINDS}
             for i in range(N + 2):
                 order = list(KINDS); rng.shuffle(order)
                 ids = {k: [rng.randrange(100, 1000) for _ in range(n_in)] for k in KINDS}
+                if text: ids = {k: tok.decode(v) for k, v in ids.items()}
                 for kind in order:
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(rng.expovariate(1.0) if text else 0.5)
                     body = {"model": "tiny", "prompt": ids[kind], "max_tokens": 16, "stream": True, "ignore_eos": True}
                     t0 = time.perf_counter(); times = []
                     async with s.post(url + "/v1/completions", json=body, headers=KINDS[kind]) as r:

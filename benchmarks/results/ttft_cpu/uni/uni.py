@@ -1,5 +1,9 @@
 """One-off: a plain engine with vLLM's in-process executor (VLLM_ENABLE_V1_MULTIPROCESSING=0,
---distributed-executor-backend uni) against the default (mp), alone on a core each."""
+--distributed-executor-backend uni) against the default (mp), alone on a core each.
+
+`python uni.py OUT.json [ROUNDS] [text]`: with `text`, each prompt is text (the random ids
+decoded by the tiny model's tokenizer: more tokens than asked), and the first core order only
+(uni_text1.json; uni1.json without it)."""
 import asyncio, json, os, random, statistics as st, sys, time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +14,10 @@ import psutil
 
 model = str(tinymodel.ensure())
 out = Path(sys.argv[1]); nr = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+text = sys.argv[3:] == ["text"]
+if text:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
 res = {"phases": []}
 
 async def ttft(c, url, ids):
@@ -33,6 +41,7 @@ async def rounds(urls, pids, n_in, n):
     async with httpclient.session(4) as c:
         for i in range(n + 2):
             ids = [random.randrange(100, 2000) for _ in range(n_in)]
+            if text: ids = tok.decode(ids)
             order = list(urls); random.shuffle(order)
             for k in order:
                 c0 = tree_cpu(pids[k])
@@ -42,7 +51,7 @@ async def rounds(urls, pids, n_in, n):
                 if i >= 2: got[k].append(v); tot[k].append(t); cpu[k].append(c1 - c0)
     return got, tot, cpu
 
-for a_core, b_core in (("0", "1"), ("1", "0")):
+for a_core, b_core in (("0", "1"),) if text else (("0", "1"), ("1", "0")):
     a = EngineSpec("mono", model, 8300, engine_id="mono-mp", cpu_bind=a_core)
     b = EngineSpec("mono", model, 8301, engine_id="mono-uni", cpu_bind=b_core,
                    extra_args=("--distributed-executor-backend", "uni"))
