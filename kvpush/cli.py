@@ -8,6 +8,7 @@ import logging
 import math
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,18 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from kvpush.bench import plot
+    from kvpush.bench.slo import SloConfig
 
-    return plot.main(Path(args.results_dir), args.stat)
+    given = (args.slo_ttft_ms, args.slo_tpot_ms)
+    if (given[0] is None) != (given[1] is None):
+        print("kvpush plot: give both --slo-ttft-ms and --slo-tpot-ms, or neither", file=sys.stderr)
+        return 2
+    try:
+        slo = SloConfig(*given) if given[0] is not None else None
+    except ValueError as e:
+        print(f"kvpush plot: {e}", file=sys.stderr)
+        return 2
+    return plot.main(Path(args.results_dir), args.stat, slo)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -232,15 +243,24 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(bttft)
     bttft.set_defaults(func=_bench_ttft)
     bserve = bench_sub.add_parser("serve", help="QPS x input-length sweep through a stack")
+    from kvpush.bench import defaults
+
     bserve.add_argument(
         "--connectors",
-        default="kvpush,kvpush-front-end,nixl-push,nixl-pull,mono",
-        help="stacks, in this order (default: %(default)s); kvpush-front-end: the kvpush "
-        "stack, clients at the prefill engine's front end",
+        default=defaults.csv(defaults.MODES),
+        help="stacks, in this order (default: %(default)s), from kvpush, kvpush-front-end (the "
+        "kvpush stack, clients at the prefill engine's front end), nixl-push, nixl-pull, mono "
+        "(one plain engine on all the stack's cores, in-process executor), mono-mp (the same, "
+        "vLLM's multiprocess executor), replicas (one plain engine per stack engine, on its "
+        "cores, round-robin)",
     )
-    bserve.add_argument("--qps", default="1,4", help="request rates")
-    bserve.add_argument("--input-lens", default="256,1024", help="prompt tokens")
-    bserve.add_argument("--output-lens", default="16", help="output tokens")
+    bserve.add_argument("--qps", default=defaults.csv(defaults.QPS), help="request rates")
+    bserve.add_argument(
+        "--input-lens", default=defaults.csv(defaults.INPUT_LENS), help="prompt tokens"
+    )
+    bserve.add_argument(
+        "--output-lens", default=defaults.csv(defaults.OUTPUT_LENS), help="output tokens"
+    )
     bserve.add_argument("--iterations", type=int, default=1, help="runs of each point")
     bserve.add_argument(
         "--rounds",
@@ -249,8 +269,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="bring the stacks up in turn this many times, each round running every stack's "
         "points once: on a noisy host, connectors are then compared over interleaved runs",
     )
-    bserve.add_argument("--num-prompts", type=int, default=16, help="requests a point")
-    bserve.add_argument("--results-dir", default="results/bench", help="JSON goes here")
+    bserve.add_argument(
+        "--num-prompts", type=int, default=defaults.NUM_PROMPTS, help="requests a point"
+    )
+    bserve.add_argument(
+        "--seed",
+        type=int,
+        help="the prompts' seed (default: a new one each run, printed and recorded, so no "
+        "engine has seen a prompt before); the same seed sends the same prompts",
+    )
+    bserve.add_argument(
+        "--slo-ttft-ms", type=float, default=defaults.SLO_TTFT_MS, help="goodput's TTFT target"
+    )
+    bserve.add_argument(
+        "--slo-tpot-ms", type=float, default=defaults.SLO_TPOT_MS, help="goodput's TPOT target"
+    )
+    bserve.add_argument(
+        "--results-dir",
+        default=f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}",
+        help="JSON goes here (default: a new folder results/bench-<date>-<time>); a folder "
+        "that already holds results is refused, unless --append",
+    )
+    bserve.add_argument(
+        "--append", action="store_true", help="add to a results folder that holds results"
+    )
     bserve.add_argument("--model", help="default: the embedded tiny model")
     bserve.add_argument(
         "--url", help="benchmark this running endpoint (a stack started elsewhere) instead"
@@ -261,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bserve.add_argument(
         "--served-model-name", default="tiny", help="with --url: the model name it serves"
+    )
+    bserve.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        help="with --url: an engine whose vLLM /metrics give its prefix-cache hits during "
+        "each point (repeatable; default: --url itself)",
     )
     bserve.add_argument(
         "--vllm-arg", action="append", default=[], help="an argument for every engine started"
@@ -274,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument(
         "--stat", choices=["mean", "median", "p99"], default="median", help="for summary.md"
     )
+    for name in ("ttft", "tpot"):
+        plot.add_argument(
+            f"--slo-{name}-ms",
+            type=float,
+            help=f"SLO attainment's {name.upper()} target (default: the one each result was "
+            "run with; needed for results from vLLM's own bench serve)",
+        )
     plot.set_defaults(func=_plot)
 
     serve = sub.add_parser("serve", help="start one vLLM engine with the right connector config")

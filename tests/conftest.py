@@ -9,3 +9,12 @@ def tiny_model():
     from kvpush.launch import tinymodel
 
     return tinymodel.ensure()
+
+
+@pytest.fixture(scope="session")
+def prompt_source(tiny_model):
+    """Fresh prompts for the benchmark tests, new in every session: the shared engines have
+    seen none of them."""
+    from kvpush.bench.prompts import PromptSource, new_seed
+
+    return PromptSource(str(tiny_model), new_seed())

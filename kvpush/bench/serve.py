@@ -1,13 +1,14 @@
 """`kvpush bench serve`: the QPS x input-length sweep, one `vllm bench serve` per grid point.
 
-For each connector it brings up a local stack (or uses --url), runs every grid point with
-the same QPS, input and output lists (with `--rounds N`, the stacks in turn, N times over),
-and writes vLLM's result JSON as `<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into the
-results folder, with kvpush's additions
-(mode, grid point, hardware, the engines' settings, the proxy's per-phase timeline and
-`decode_waiting_on_prefill`). `mono` is one plain engine with no disaggregation: the reference
-for what disaggregation itself costs. `kvpush-front-end` is the kvpush stack with the clients'
-requests sent to the prefill engine's own front end (proxy/frontend.py) instead of the proxy.
+For each stack (bench/stacks.py: kvpush, vLLM's connectors, and the plain-engine baselines on
+the same cores) it brings up a local stack (or uses --url), runs every grid point with the
+same QPS, input and output lists (with `--rounds N`, the stacks in turn, N times over), and
+writes vLLM's result JSON as `<mode>_qps<q>_in<in>_out<out>_iter<i>.json` into a results
+folder of its own, with kvpush's additions: the grid point, hardware, how each engine ran
+(cores, executor, prefix caching), the prompts' seed, the engines' prefix-cache hits during
+the point (0 expected: the prompts are fresh, bench/prompts.py), the SLO targets and the share
+of requests that met both (bench/slo.py), the proxy's per-phase timeline and
+`decode_waiting_on_prefill`.
 
 The grid is a loop here, not `vllm bench sweep serve`: that tool starts one server command
 per combination and names its results its own way, while a kvpush stack is several
@@ -21,20 +22,16 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from kvpush.bench import vllm_bench
+from kvpush.bench import defaults, vllm_bench
+from kvpush.bench.prompts import PromptSource, new_seed
+from kvpush.bench.slo import SloConfig, attainment
+from kvpush.bench.stacks import ALL_MODES, FRONT_END, connector_of, describe, mode_stack, mode_url
 
-FRONT_END = "kvpush-front-end"  # kvpush, clients at the prefill engine's front end
-ALL_MODES = ("kvpush", FRONT_END, "nixl-push", "nixl-pull", "mono")
-# The default grid takes about 4 minutes per connector on a 2-core host and still shows load
-# build.
-DEFAULT_QPS = (1.0, 4.0)
-DEFAULT_INPUT_LENS = (256, 1024)
-DEFAULT_OUTPUT_LENS = (16,)
-DEFAULT_NUM_PROMPTS = 16
+DEFAULT_SLO = SloConfig(defaults.SLO_TTFT_MS, defaults.SLO_TPOT_MS)
 
 
 def result_name(mode: str, qps: float, input_len: int, output_len: int, iteration: int) -> str:
@@ -51,6 +48,16 @@ def hardware() -> dict:
     }
 
 
+def point_key(iteration: int, qps: float, input_len: int, output_len: int) -> tuple:
+    """The prompt set of one grid point's iteration: the same for every stack of a run."""
+    return ("point", iteration, qps, input_len, output_len)
+
+
+def warm_up_key(first_iteration: int, input_len: int) -> tuple:
+    """The warm-up's prompts before a stack's points of this length in one round."""
+    return ("warm-up", first_iteration, input_len)
+
+
 def sweep(
     mode: str,
     url: str,
@@ -61,55 +68,126 @@ def sweep(
     num_prompts: int,
     results_dir: Path,
     tokenizer: str,
+    prompts: PromptSource,
+    slo: SloConfig = DEFAULT_SLO,
     model_name: str = "tiny",
     engines: dict | None = None,
     first_iteration: int = 0,
+    metrics_urls: tuple[str, ...] = (),
 ) -> list[Path]:
-    """A warm-up per input length, then every grid point, each one `vllm bench serve`; one
-    line per point as it finishes. Iterations are numbered from `first_iteration` (a later
-    round of `--rounds`), which also picks their prompts."""
+    """A warm-up per input length, then every grid point, each one `vllm bench serve` with
+    fresh prompts from `prompts`; one line per point as it finishes. Iterations are numbered
+    from `first_iteration` (a later round of `--rounds`), which also picks their prompts.
+    `metrics_urls`: the engines whose prefix-cache hits during each point are recorded."""
     written = []
     timelines = url + ("/kvpush/timelines" if mode == FRONT_END else "/timelines")
-    for n_in in input_lens:
-        vllm_bench.warm_up(url, tokenizer, model_name, n_in, output_lens[0])
-    for it in range(first_iteration, first_iteration + iterations):
-        for q in qps_list:
-            for n_in in input_lens:
-                for n_out in output_lens:
-                    label = f"{mode} qps={q:g} in={n_in} out={n_out} iter={it}"
-                    print(f"  {label}: vllm bench serve ...", flush=True)
-                    seed = hash((it, q, n_in, n_out)) % 2**31  # distinct prompts per point
-                    load = vllm_bench.Load(q, n_in, n_out, num_prompts, seed=seed)
-                    path = results_dir / result_name(mode, q, n_in, n_out, it)
-                    result = vllm_bench.run(url, tokenizer, model_name, load, path, quiet=True)
-                    result |= {
-                        "mode": mode,
-                        "qps": q,
-                        "input_len": n_in,
-                        "output_len": n_out,
-                        "iteration": it,
-                        "url": url,
-                        "engines": engines,  # how the stack's engines were started (None: --url)
-                        "hardware": hardware(),
-                        "created_unix_s": int(time.time()),
-                        "proxy_phases_ms": asyncio.run(proxy_phases(timelines, num_prompts)),
-                        # vLLM counts a stream that ends in an error event as completed; with
-                        # EOS ignored, a short answer is how such a stream shows
-                        "short_outputs": sum(n < n_out for n in result.get("output_lens", [])),
-                    }
-                    path.write_text(json.dumps(result, indent=1))
-                    written.append(path)
-                    print(f"  {label}: {point_line(result)}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for n_in in input_lens:
+            key = warm_up_key(first_iteration, n_in)
+            warm = prompts.write(folder, key, vllm_bench.NUM_WARM_UP, n_in)
+            vllm_bench.warm_up(url, tokenizer, model_name, n_in, output_lens[0], prompts=warm)
+        for it in range(first_iteration, first_iteration + iterations):
+            for q in qps_list:
+                for n_in in input_lens:
+                    for n_out in output_lens:
+                        label = f"{mode} qps={q:g} in={n_in} out={n_out} iter={it}"
+                        print(f"  {label}: vllm bench serve ...", flush=True)
+                        key = point_key(it, q, n_in, n_out)
+                        load = vllm_bench.Load(
+                            q, n_in, n_out, num_prompts, slo_ms=slo.goodput,
+                            prompts=prompts.write(folder, key, num_prompts, n_in),
+                        )  # fmt: skip
+                        path = results_dir / result_name(mode, q, n_in, n_out, it)
+                        before = asyncio.run(prefix_cache(metrics_urls))
+                        result = vllm_bench.run(url, tokenizer, model_name, load, path, True)
+                        after = asyncio.run(prefix_cache(metrics_urls))
+                        result |= {
+                            "mode": mode,
+                            "qps": q,
+                            "input_len": n_in,
+                            "output_len": n_out,
+                            "iteration": it,
+                            "url": url,
+                            "engines": engines,  # how each engine ran (None: --url)
+                            "hardware": hardware(),
+                            "created_unix_s": int(time.time()),
+                            "prompts": {"seed": prompts.seed, "set": list(key)},
+                            "prefix_cache": changes(before, after),
+                            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+                            "proxy_phases_ms": asyncio.run(proxy_phases(timelines, num_prompts)),
+                            # vLLM counts a stream that ends in an error event as completed;
+                            # with EOS ignored, a short answer is how such a stream shows
+                            "short_outputs": sum(n < n_out for n in result.get("output_lens", [])),
+                        }
+                        result["slo_attainment"] = attainment(result, slo)
+                        path.write_text(json.dumps(result, indent=1))
+                        written.append(path)
+                        print(f"  {label}: {point_line(result)}", flush=True)
+                        warn_on_hits(label, result["prefix_cache"])
     return written
+
+
+async def prefix_cache(urls: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """Each engine's vLLM prefix-cache counters, url -> (hits, queries) in tokens; an
+    endpoint without them (a proxy) is left out."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpush import httpclient
+
+    out = {}
+    async with httpclient.session() as c:
+        for url in urls:
+            try:
+                async with c.get(url + "/metrics") as r:
+                    text = await r.text() if r.status == 200 else ""
+            except aiohttp.ClientError:
+                continue
+            sums = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
+            seen = False
+            for family in text_string_to_metric_families(text):
+                if family.name in sums:
+                    seen = True
+                    sums[family.name] += sum(
+                        s.value for s in family.samples if s.name.endswith("_total")
+                    )
+            if seen:
+                out[url] = (sums["vllm:prefix_cache_hits"], sums["vllm:prefix_cache_queries"])
+    return out
+
+
+def changes(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Prefix-cache tokens hit and queried per engine between two `prefix_cache` readings."""
+    return {
+        url: {
+            "hits": hits - before.get(url, (0, 0))[0],
+            "queries": queries - before.get(url, (0, 0))[1],
+        }  # fmt: skip
+        for url, (hits, queries) in after.items()
+    }
+
+
+def warn_on_hits(label: str, cache: dict[str, dict[str, float]]) -> None:
+    hit = {url: int(c["hits"]) for url, c in cache.items() if c["hits"]}
+    if hit:
+        print(
+            f"  WARNING {label}: prefix-cache hits {hit} (tokens) on prompts that should be new "
+            "to every engine: were these prompts sent before (the same --seed against a live "
+            "deployment)?",
+            flush=True,
+        )
 
 
 def point_line(r: dict) -> str:
     waiting = r.get("decode_waiting_on_prefill")
     waited = f", decode waiting on prefill max {waiting['max']:g}" if waiting else ""
+    share = r.get("slo_attainment")
+    slo_text = f", {share:.0%} within the SLO" if share is not None else ""
     return (
         f"ttft median {r['median_ttft_ms']:.0f} ms, tpot median {r['median_tpot_ms']:.1f} ms, "
         f"itl median {r['median_itl_ms']:.1f} ms, {r['failed']} failed, "
-        f"{r.get('short_outputs', 0)} short{waited}"
+        f"{r.get('short_outputs', 0)} short{waited}{slo_text}"
     )
 
 
@@ -140,35 +218,6 @@ async def proxy_phases(url: str, num_requests: int) -> dict | None:
             "count": len(values),
         }
     return out
-
-
-def mode_stack(
-    mode: str, model: str, log_dir: Path, connector_extra: dict | None = None, **engine_kw: object
-) -> object:
-    """1 prefill + 1 decode behind the proxy (for FRONT_END the prefill engine is also a
-    front end), or one plain engine for `mono`; `connector_extra` goes into kvpush's
-    kv_connector_extra_config."""
-    from kvpush.launch.engine import EngineSpec
-    from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
-
-    if mode == "mono":
-        spec = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
-        return Stack([spec], mode, PROXY_PORT, log_dir, with_proxy=False)
-    connector = connector_of(mode)
-    if connector == "kvpush" and connector_extra:
-        engine_kw = engine_kw | {"connector_extra": connector_extra}
-    specs = stack_specs(model, connector, 1, 1, **engine_kw)
-    return Stack(specs, connector, PROXY_PORT, log_dir, front_end=mode == FRONT_END)
-
-
-def connector_of(mode: str) -> str:
-    """The connector a mode's stack runs (FRONT_END: kvpush's)."""
-    return "kvpush" if mode == FRONT_END else mode
-
-
-def mode_url(mode: str, stack: Any) -> str:
-    """Where a mode's clients go: the prefill engine for FRONT_END, else the stack's URL."""
-    return stack.specs[0].url if mode == FRONT_END else stack.url
 
 
 def _numbers(text: str, kind: type, flag: str) -> list:
@@ -203,30 +252,40 @@ def main(args: object) -> int:
         )
         if args.num_prompts < 1 or args.iterations < 1 or args.rounds < 1:
             raise ValueError("--num-prompts, --iterations and --rounds must be >= 1")
+        slo = SloConfig(args.slo_ttft_ms, args.slo_tpot_ms)
     except ValueError as e:
         print(f"kvpush bench serve: {e}", file=sys.stderr)
         return 2
-    results_dir = Path(args.results_dir)
-    if args.url:
-        if not args.mode:
-            print("kvpush bench serve: --url needs --mode NAME (the results' name for it)",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        results_dir.mkdir(parents=True, exist_ok=True)
-        tokenizer = args.tokenizer or args.model or str(tinymodel.ensure())
-        grid["iterations"] *= args.rounds  # one endpoint: no stacks to take in turn
-        sweep(args.mode, args.url.rstrip("/"), results_dir=results_dir, tokenizer=tokenizer,
-              model_name=args.served_model_name, **grid)  # fmt: skip
-        print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
-        return 0
     modes = [m.strip() for m in args.connectors.split(",")]
     bad = [m for m in modes if m not in ALL_MODES]
-    if bad:
+    if bad and not args.url:
         print(f"kvpush bench serve: unknown connectors {bad}; choose from {ALL_MODES}",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.url and not args.mode:
+        print("kvpush bench serve: --url needs --mode NAME (the results' name for it)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    results_dir = Path(args.results_dir)
+    if any(results_dir.glob("*_qps*_in*_out*_iter*.json")) and not args.append:
+        print(f"kvpush bench serve: {results_dir} already holds results; name a new folder, "
+              "or pass --append to add to them", file=sys.stderr)  # fmt: skip
+        return 2
     results_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or str(tinymodel.ensure())
+    tokenizer = args.tokenizer or model
+    seed = args.seed if args.seed is not None else new_seed()
+    print(f"kvpush bench serve: prompts from seed {seed} (--seed {seed} sends the same again)",
+          flush=True)  # fmt: skip
+    prompts = PromptSource(tokenizer, seed)
+    if args.url:
+        grid["iterations"] *= args.rounds  # one endpoint: no stacks to take in turn
+        url = args.url.rstrip("/")
+        metrics = tuple(u.rstrip("/") for u in args.metrics_url) or (url,)
+        sweep(args.mode, url, results_dir=results_dir, tokenizer=tokenizer, prompts=prompts,
+              slo=slo, model_name=args.served_model_name, metrics_urls=metrics, **grid)  # fmt: skip
+        print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")
+        return 0
     engine_kw = {
         "extra_args": tuple(args.vllm_arg),
         "pin_cores": args.pin_cores,
@@ -235,18 +294,19 @@ def main(args: object) -> int:
     connector_extra = args.connector_extra  # checked by the argument parser
     for n, (mode, first) in enumerate(rounds(modes, args.rounds, args.iterations), 1):
         turn = f" (stack {n} of {len(modes) * args.rounds})" if args.rounds > 1 else ""
-        print(f"kvpush bench serve: bringing up {mode}{turn} {engine_kw}", flush=True)
+        print(f"kvpush bench serve: bringing up {mode}{turn}", flush=True)
         stack = mode_stack(mode, model, SETTINGS.cache_dir / "logs", connector_extra, **engine_kw)
         stack.start()
         try:
-            in_process = {s.name: s.executor_in_process for s in stack.specs}  # as each ran
-            engines = engine_kw | {"extra_args": list(args.vllm_arg), "in_process": in_process}
-            if connector_of(mode) == "kvpush":
-                engines["connector_extra"] = connector_extra
-            tokenizer = args.tokenizer or model
-            url = mode_url(mode, stack)
-            sweep(mode, url, results_dir=results_dir, tokenizer=tokenizer, engines=engines,
-                  first_iteration=first, **grid)  # fmt: skip
+            engines = describe(stack)
+            for name, e in engines.items():
+                if connector_of(mode) == "kvpush":
+                    e["connector_extra"] = connector_extra
+                e["extra_args"] = list(args.vllm_arg)
+                print(f"  {name}: {e}", flush=True)
+            sweep(mode, mode_url(mode, stack), results_dir=results_dir, tokenizer=tokenizer,
+                  prompts=prompts, slo=slo, engines=engines, first_iteration=first,
+                  metrics_urls=tuple(s.url for s in stack.specs), **grid)  # fmt: skip
         finally:
             stack.stop()
     print(f"results in {results_dir}; plot them with `kvpush plot {results_dir}`")

@@ -3,7 +3,8 @@
 Prompts of the same length go through the proxy (kvpush 1P1D), through the front end in the
 prefill engine's API server (the same engines, proxy/frontend.py), straight to the prefill
 engine (the front end told to step aside), straight to the decode engine (which then
-computes the prompt itself), and to one plain engine. The proxy and the plain engine get the
+computes the prompt itself), and to one plain engine on both engines' cores (bench/stacks.py,
+`mono`). The proxy and the plain engine get the
 same prompts; the others each get prompts of their own, since the proxy's would hit the
 engines' prefix caches. Medians of TTFT and TPOT for each, and of the proxy's and the front
 end's timeline phases (their /timelines), above all the push tail: prefill's answer to
@@ -105,9 +106,9 @@ def main(
     in_process: bool | None = None,
 ) -> int:
     from kvpush.bench.serve import hardware
+    from kvpush.bench.stacks import baseline_specs
     from kvpush.launch import tinymodel
-    from kvpush.launch.engine import EngineSpec
-    from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
+    from kvpush.launch.stack import PROXY_PORT, Stack, stack_specs
     from kvpush.settings import SETTINGS
 
     model = str(tinymodel.ensure())
@@ -152,7 +153,7 @@ def main(
             print(f"  {name}: {result[name]}", flush=True)
     finally:
         stack.stop()
-    mono = EngineSpec("mono", model, DECODE_PORT, connector=None, engine_id="mono", **engine_kw)
+    (mono,) = baseline_specs("mono", model, **engine_kw)  # on both engines' cores
     result["in_process"]["mono"] = mono.executor_in_process
     plain = Stack([mono], "mono", PROXY_PORT, log_dir, with_proxy=False)
     plain.start()

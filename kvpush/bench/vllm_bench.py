@@ -27,13 +27,17 @@ from kvpush import httpclient
 # looks up the version of a distribution named "vllm" (`python -m kvpush.bench.vllm_bench
 # --help` lists vLLM's own options)
 BENCH_SERVE = (sys.executable, "-m", "kvpush.bench.vllm_bench")
+NUM_WARM_UP = 3  # requests before each input length's points
 
 
 @dataclass(frozen=True)
 class Load:
-    """One run: `num_prompts` random prompts of exactly `input_len` tokens, each answered with
+    """One run: `num_prompts` prompts of exactly `input_len` tokens, each answered with
     exactly `output_len` (EOS ignored), Poisson arrivals at `qps` (math.inf: all at once;
-    with max_concurrency=1, one at a time), after `num_warmups` requests not recorded."""
+    with max_concurrency=1, one at a time), after `num_warmups` requests not recorded.
+    The prompts: `prompts`, a JSONL file from prompts.PromptSource (fresh ones), or else
+    vLLM's random dataset with `seed`. `slo_ms`: vLLM's --goodput targets, e.g.
+    {"ttft": 500, "tpot": 8}."""
 
     qps: float
     input_len: int
@@ -42,6 +46,8 @@ class Load:
     seed: int = 0
     num_warmups: int = 0  # vLLM's warm-up repeats the run's first prompt: see `warm_up`
     max_concurrency: int | None = None
+    prompts: Path | None = None
+    slo_ms: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.qps > 0 and self.input_len > 0 and self.output_len > 0):
@@ -65,10 +71,7 @@ def command(
         "--endpoint", "/v1/completions",
         "--model", tokenizer,  # the tokenizer the random prompts are built with
         "--served-model-name", model_name,
-        "--dataset-name", "random",
-        "--random-input-len", str(load.input_len),
-        "--random-output-len", str(load.output_len),
-        "--random-range-ratio", "0",  # exact lengths
+        *_dataset(load),
         "--ignore-eos",
         "--num-prompts", str(load.num_prompts),
         "--request-rate", "inf" if math.isinf(load.qps) else f"{load.qps:g}",
@@ -81,11 +84,30 @@ def command(
         "--result-dir", str(path.parent),
         "--result-filename", path.name,
     ]  # fmt: skip
+    if load.slo_ms:
+        cmd += ["--goodput", *(f"{k}:{v:g}" for k, v in load.slo_ms)]
     if load.max_concurrency is not None:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
     if headers:
         cmd += ["--header", *(f"{k}={v}" for k, v in headers.items())]
     return cmd
+
+
+def _dataset(load: Load) -> list[str]:
+    if load.prompts is not None:
+        return [
+            "--dataset-name", "custom",
+            "--dataset-path", str(load.prompts),
+            "--custom-output-len", str(load.output_len),
+            "--skip-chat-template",
+            "--disable-shuffle",
+        ]  # fmt: skip
+    return [
+        "--dataset-name", "random",
+        "--random-input-len", str(load.input_len),
+        "--random-output-len", str(load.output_len),
+        "--random-range-ratio", "0",  # exact lengths
+    ]  # fmt: skip
 
 
 def warm_up(
@@ -95,11 +117,13 @@ def warm_up(
     input_len: int,
     output_len: int,
     headers: dict[str, str] | None = None,
+    prompts: Path | None = None,
 ) -> None:
     """A few requests of this length, not recorded: the first of each length pays one-time
-    compilation. A run of its own with other prompts, since vLLM's `--num-warmups` sends the
-    run's first prompt, which then hits the prefix cache when it is measured."""
-    load = Load(2.0, input_len, output_len, 3, seed=2**31 - 1)
+    compilation. A run of its own with other prompts (`prompts`, NUM_WARM_UP of them, else
+    vLLM's random ones), since vLLM's `--num-warmups` sends the run's first prompt, which then
+    hits the prefix cache when it is measured."""
+    load = Load(2.0, input_len, output_len, NUM_WARM_UP, seed=2**31 - 1, prompts=prompts)
     with tempfile.TemporaryDirectory() as tmp:
         run(url, tokenizer, model_name, load, Path(tmp) / "warm-up.json", True, headers)
 

@@ -13,7 +13,7 @@ NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN, QPS = 6, 1024, 16, 1.0
 
 
 def main() -> int:
-    from kvpush.bench.serve import mode_stack
+    from kvpush.bench.stacks import mode_stack
     from kvpush.launch import tinymodel
     from kvpush.settings import SETTINGS
 

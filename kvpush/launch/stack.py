@@ -103,9 +103,12 @@ class Stack:
         with_proxy: bool = True,
         proxy_args: tuple[str, ...] = (),
         front_end: bool = False,
+        proxy_cmd: list[str] | None = None,
     ) -> None:
         """`front_end`: each prefill engine also serves clients as a front end for all the
-        decode engines (proxy/frontend.py), beside the proxy."""
+        decode engines (proxy/frontend.py), beside the proxy. `proxy_cmd`: another front than
+        kvpush's proxy (it must serve /health on `proxy_port`), e.g. the benchmarks'
+        round-robin front for plain engines."""
         if front_end:
             decodes = [s.describe() for s in specs if s.role == "decode"]
             specs = [
@@ -116,6 +119,7 @@ class Stack:
             ]
         self.specs, self.connector, self.proxy_port = specs, connector, proxy_port
         self.log_dir, self.with_proxy, self.proxy_args = log_dir, with_proxy, proxy_args
+        self.proxy_cmd = proxy_cmd
         self.engines: list[Engine] = []
         self.proxy: subprocess.Popen | None = None
 
@@ -141,6 +145,13 @@ class Stack:
             raise
 
     def _start_proxy(self) -> None:
+        cmd = self.proxy_cmd or self._kvpush_proxy_cmd()
+        log = open(self.log_dir / "proxy.log", "ab")  # noqa: SIM115 - child keeps it
+        self.proxy = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def _kvpush_proxy_cmd(self) -> list[str]:
         cmd = [
             sys.executable,
             "-m",
@@ -155,11 +166,7 @@ class Stack:
             path = self.log_dir / f"{spec.name}.json"
             path.write_text(json.dumps(spec.describe()))
             cmd += ["--engine-file", str(path)]
-        cmd += self.proxy_args
-        log = open(self.log_dir / "proxy.log", "ab")  # noqa: SIM115 - child keeps it
-        self.proxy = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        return cmd + list(self.proxy_args)
 
     def _write_state(self) -> None:
         pids = [e.proc.pid for e in self.engines] + ([self.proxy.pid] if self.proxy else [])

@@ -8,6 +8,7 @@ import pytest
 
 from kvpush.bench import plot
 from kvpush.bench.serve import result_name
+from kvpush.bench.slo import SloConfig
 
 
 def write_point(folder, mode, qps, n_in, it, ttft, tpot):
@@ -81,3 +82,49 @@ def test_the_summary_sets_both_ways_into_kvpush_against_the_others_and_each_othe
             "| kvpush-front-end/mono | kvpush-front-end/kvpush |")  # fmt: skip
     assert head in summary
     assert "| 1 | 256 | 16 | 30.0 | 27.0 | 25.0 | 1.20 | 1.08 | 0.90 |" in summary
+
+
+def detailed(ttft_ms: list[float], tpot_ms: float, n_out: int = 16) -> dict:
+    """vLLM's per-request fields (`--save-detailed`) for requests with these TTFTs."""
+    return {
+        "ttfts": [t / 1e3 for t in ttft_ms],
+        "latencies": [(t + tpot_ms * (n_out - 1)) / 1e3 for t in ttft_ms],
+        "output_lens": [n_out] * len(ttft_ms),
+        "errors": [""] * len(ttft_ms),
+    }
+
+
+def test_slo_attainment_from_foreign_vllm_json_is_drawn_and_summarised(tmp_path):
+    """JSON as anyone's own `vllm bench serve --save-detailed` writes it, with no targets of
+    its own: the targets come from `kvpush plot --slo-*`; the summary gives each stack's share
+    per point and the highest QPS up to which >= 90 % meet both."""
+    shape = {  # mode -> QPS -> TTFTs of its 10 requests
+        "push": {1.0: [100] * 10, 2.0: [100] * 9 + [900], 4.0: [100] * 8 + [900] * 2},
+        "pull": {1.0: [100] * 10, 2.0: [900] * 5 + [100] * 5, 4.0: [100] * 10},
+    }
+    for mode, by_qps in shape.items():
+        for qps, ttfts in by_qps.items():
+            data = {"median_ttft_ms": 100.0, "median_tpot_ms": 5.0} | detailed(ttfts, 5.0)
+            (tmp_path / result_name(mode, qps, 1024, 16, 0)).write_text(json.dumps(data))
+    slo = SloConfig(ttft_ms=500, tpot_ms=8)
+    assert plot.attainment_figure(plot.load(tmp_path), None, tmp_path) is None  # no targets
+    assert plot.main(tmp_path, "median", slo) == 0
+    assert (tmp_path / "slo_attainment.png").stat().st_size > 1000
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## SLO attainment (% of requests with TTFT <= 500 ms and TPOT <= 8 ms)" in summary
+    assert "| 2 | 1024 | 16 | 90 | 50 |" in summary
+    assert "| 4 | 1024 | 16 | 80 | 100 |" in summary
+    # pull meets it again at 4 QPS, but not at every rate up to it
+    assert "- input 1024, output 16: push 2, pull 1" in summary
+
+
+def test_results_run_with_targets_are_judged_by_their_own(tmp_path):
+    for mode, tpot in (("kvpush", 5.0), ("replicas", 9.0)):
+        data = detailed([100] * 4, tpot) | {"mode": mode, "qps": 1.0, "input_len": 256,
+                                            "output_len": 16, "median_ttft_ms": 100.0,
+                                            "slo": {"ttft_ms": 500, "tpot_ms": 8}}  # fmt: skip
+        (tmp_path / result_name(mode, 1.0, 256, 16, 0)).write_text(json.dumps(data))
+    assert plot.main(tmp_path) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 1 | 256 | 16 | 100 | 0 |" in summary
+    assert "- input 256, output 16: kvpush 1, replicas none" in summary

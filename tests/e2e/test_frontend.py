@@ -182,14 +182,18 @@ def test_status_names_this_engine_and_its_decode_engine(front, engines):
     assert status["connector"] == "kvpush" and status["first_token"] is True
 
 
-def test_bench_serve_sweeps_the_front_end_with_its_timeline(front, tiny_model, tmp_path):
+def test_bench_serve_sweeps_the_front_end_with_its_timeline(
+    front, tiny_model, prompt_source, tmp_path
+):
     """`kvpush bench serve`'s kvpush-front-end mode: vllm bench serve against the front end,
     and the front end's own timeline phases (its /kvpush/timelines) in each result."""
-    from kvpush.bench.serve import FRONT_END, sweep
+    from kvpush.bench.serve import sweep
+    from kvpush.bench.stacks import FRONT_END
 
     (path,) = sweep(
         FRONT_END, front.spec.url, [4.0], [64], [4], iterations=1, num_prompts=4,
-        results_dir=tmp_path, tokenizer=str(tiny_model),
+        results_dir=tmp_path, tokenizer=str(tiny_model), prompts=prompt_source,
+        first_iteration=200,
     )  # fmt: skip
     data = json.loads(path.read_text())
     assert path.name == "kvpush-front-end_qps4_in64_out4_iter0.json"

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvpush.bench.slo import SloConfig
 from kvpush.proxy.app import create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.timeline import EVENTS, PHASES
@@ -219,7 +220,7 @@ def test_decode_leg_lost_before_decode_saw_it_prefill_freed_by_abandon(engines):
 
 
 def test_bench_sweep_writes_vllms_json_with_kvpushs_additions_and_plots_it(
-    proxy_url, tiny_model, tmp_path
+    proxy_url, tiny_model, prompt_source, tmp_path
 ):
     """A short real sweep through the proxy: each point one `vllm bench serve`, its JSON under
     the seed's name, kvpush's fields added; `kvpush plot` draws it."""
@@ -228,10 +229,11 @@ def test_bench_sweep_writes_vllms_json_with_kvpushs_additions_and_plots_it(
     from kvpush.bench import plot
     from kvpush.bench.serve import sweep
 
-    url, _, _ = proxy_url
+    url, prefill_urls, decode_url = proxy_url
     paths = sweep(
         "kvpush", url, [4.0, 8.0], [64], [4], iterations=1, num_prompts=4, results_dir=tmp_path,
-        tokenizer=str(tiny_model),
+        tokenizer=str(tiny_model), prompts=prompt_source, slo=SloConfig(10_000, 1_000),
+        metrics_urls=(*prefill_urls, decode_url),
     )  # fmt: skip
     assert [p.name for p in paths] == [
         "kvpush_qps4_in64_out4_iter0.json",
@@ -251,6 +253,15 @@ def test_bench_sweep_writes_vllms_json_with_kvpushs_additions_and_plots_it(
         "kvpush", 4.0, 64, 4)  # fmt: skip
     assert data["hardware"]["cpus"] >= 1 and data["short_outputs"] == 0
     assert data["decode_waiting_on_prefill"]["samples"] >= 1
+    # fresh prompts: the shared engines served many requests before, none of these
+    assert data["prompts"]["seed"] == prompt_source.seed
+    cache = data["prefix_cache"]
+    assert set(cache) == {*prefill_urls, decode_url}
+    assert all(c["hits"] == 0 for c in cache.values()), cache
+    assert sum(cache[u]["queries"] for u in prefill_urls) >= 4 * 64
+    # goodput, with targets every request meets here, and vLLM's own count of it
+    assert data["slo"] == {"ttft_ms": 10_000, "tpot_ms": 1_000}
+    assert data["slo_attainment"] == 1.0 and data["request_goodput"] > 0
     phases = data["proxy_phases_ms"]  # the proxy's timeline: every phase of the 4 requests
     assert set(phases) == set(PHASES)
     assert all(p["count"] == 4 for p in phases.values())
@@ -258,6 +269,36 @@ def test_bench_sweep_writes_vllms_json_with_kvpushs_additions_and_plots_it(
     for metric, stat in plot.FIGURES:
         assert (tmp_path / f"{metric}_{stat}.png").stat().st_size > 1000
     assert (tmp_path / "ttft_breakdown.png").exists()
+    assert (tmp_path / "slo_attainment.png").exists()
+
+
+def test_the_replicas_front_deals_requests_in_turn_and_a_repeated_seed_shows_as_hits(
+    engines, tiny_model, prompt_source, tmp_path, capsys
+):
+    """The `replicas` baseline's round-robin front over two real engines, through one sweep:
+    each engine gets half the prompts, and neither has seen any (hits 0). The same prompts
+    again (as a second run with the same --seed against a live deployment would send them)
+    hit the caches, and the sweep says so."""
+    from kvpush.bench.roundrobin import build_app
+    from kvpush.bench.serve import sweep
+
+    urls = (engines["mono"].spec.url, engines["decode"].spec.url)  # both cache prefixes
+    runs = []
+    for n in range(2):  # a new front each time, so each prompt goes to the same engine again
+        with run_server(build_app(list(urls))) as front:
+            runs.append(sweep(
+                "replicas", front, [4.0], [256], [4], iterations=1, num_prompts=4,
+                results_dir=tmp_path / str(n), tokenizer=str(tiny_model), prompts=prompt_source,
+                metrics_urls=urls, first_iteration=300,
+            ))  # fmt: skip
+    first, again = (json.loads(paths[0].read_text()) for paths in runs)
+    assert first["completed"] == 4 and first["failed"] == 0
+    assert [c["queries"] for c in first["prefix_cache"].values()] == [2 * 256, 2 * 256]
+    assert all(c["hits"] == 0 for c in first["prefix_cache"].values())
+    # blocks of 64 tokens; a prompt's last token is always computed: 192 of each 256 hit
+    assert sum(c["hits"] for c in again["prefix_cache"].values()) >= 192
+    out = capsys.readouterr().out
+    assert "WARNING replicas qps=4 in=256 out=4 iter=300: prefix-cache hits" in out
 
 
 def test_a_json_from_vllm_bench_serve_itself_plots(engines, tiny_model, tmp_path):
