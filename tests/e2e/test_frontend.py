@@ -196,7 +196,7 @@ def test_bench_serve_sweeps_the_front_end_with_its_timeline(
         first_iteration=200,
     )  # fmt: skip
     data = json.loads(path.read_text())
-    assert path.name == "kvpush-front-end_qps4_in64_out4_iter0.json"
+    assert path.name == "kvpush-front-end_qps4_in64_out4_iter200.json"
     assert data["completed"] == 4 and data["failed"] == 0 and data["short_outputs"] == 0
     phases = data["proxy_phases_ms"]
     assert {"prefill", "push_tail", "ttft", "total"} <= set(phases), phases
