@@ -101,6 +101,17 @@ def shares(points: dict[tuple, list[dict]], slo: SloConfig | None) -> dict[tuple
     return out
 
 
+def goodputs(points: dict[tuple, list[dict]], share: dict[tuple, float]) -> dict[tuple, float]:
+    """Requests a second that met both targets: each point's attainment times the rate its
+    requests completed at (vLLM's `request_throughput`), for points that have both."""
+    out = {}
+    for key, value in share.items():
+        rates = [r["request_throughput"] for r in points[key] if "request_throughput" in r]
+        if rates:
+            out[key] = value * statistics.fmean(rates)
+    return out
+
+
 def targets(points: dict[tuple, list[dict]], slo: SloConfig | None) -> str:
     if slo is not None:
         return slo.label()
@@ -249,6 +260,9 @@ def summary(points: dict[tuple, list[dict]], stat: str, slo: SloConfig | None = 
                      for m in modes]  # fmt: skip
             lines.append(f"- input {n_in}, output {n_out}: " + ", ".join(found))
         lines.append("")
+        if rate := goodputs(points, share):
+            title = "Goodput (requests/s meeting both: attainment x completed requests/s)"
+            lines += table(title, "req/s", modes, grid, rate, pairs, "{:.2f}")
     return "\n".join(lines)
 
 

@@ -119,12 +119,19 @@ def test_slo_attainment_from_foreign_vllm_json_is_drawn_and_summarised(tmp_path)
 
 
 def test_results_run_with_targets_are_judged_by_their_own(tmp_path):
-    for mode, tpot in (("kvpush", 5.0), ("replicas", 9.0)):
-        data = detailed([100] * 4, tpot) | {"mode": mode, "qps": 1.0, "input_len": 256,
-                                            "output_len": 16, "median_ttft_ms": 100.0,
-                                            "slo": {"ttft_ms": 500, "tpot_ms": 8}}  # fmt: skip
+    """Results that carry their targets are judged by them; goodput is the share that met
+    them times the rate requests completed at."""
+    for mode, tpot, ttfts in (("kvpush", 5.0, [100] * 4), ("replicas", 9.0, [100] * 4),
+                              ("mono", 5.0, [100, 100, 900, 900])):  # fmt: skip
+        data = detailed(ttfts, tpot) | {"mode": mode, "qps": 1.0, "input_len": 256,
+                                        "output_len": 16, "median_ttft_ms": 100.0,
+                                        "request_throughput": 0.9,
+                                        "slo": {"ttft_ms": 500, "tpot_ms": 8}}  # fmt: skip
         (tmp_path / result_name(mode, 1.0, 256, 16, 0)).write_text(json.dumps(data))
     assert plot.main(tmp_path) == 0
     summary = (tmp_path / "summary.md").read_text()
-    assert "| 1 | 256 | 16 | 100 | 0 |" in summary
-    assert "- input 256, output 16: kvpush 1, replicas none" in summary
+    assert "| 1 | 256 | 16 | 100 | 50 | 0 |" in summary
+    head = "| QPS | input | output | kvpush req/s | mono req/s | replicas req/s | kvpush/mono |"
+    assert head in summary
+    assert "| 1 | 256 | 16 | 0.90 | 0.45 | 0.00 | 2.00 | - |" in summary  # none meet: no ratio
+    assert "- input 256, output 16: kvpush 1, mono none, replicas none" in summary
