@@ -1,5 +1,6 @@
-"""`kvpush bench serve`'s default grid, the headline of docs/benchmarks.md (about 25 minutes on
-a 2-core host with --rounds 2). Plain values, so `kvpush --help` imports nothing heavy."""
+"""`kvpush bench serve`'s default grid, the headline of docs/benchmarks.md (about 20 minutes on
+a 2-core host a round; the page's run had --rounds 2). Plain values, so `kvpush --help`
+imports nothing heavy."""
 
 MODES = ("kvpush", "mono", "mono-mp", "replicas")
 QPS = (1.0, 2.0, 3.0, 4.0)

@@ -60,7 +60,7 @@ class EngineSpec:
     # On CPU: run the whole engine (API server, engine core, workers) on its bound cores, not
     # only its OpenMP threads, so one engine's busy loop cannot take the other's core. Without
     # it a 1P1D stack on 2 cores fails requests at 1 QPS of 2k-token prompts
-    # (docs/benchmarks.md, capacity).
+    # (the benchmark log, `git show 1df146f:docs/benchmarks.md`, "Capacity").
     pin_cores: bool = True
     # vLLM's in-process executor: the worker runs in the engine core's process, with no
     # shared-memory ring between them whose reader spins for a second after every step.

@@ -3,7 +3,8 @@
 Through `kvpush proxy` a client's request crosses two more processes than a request sent
 straight to an engine: client -> proxy -> prefill's API server, and back the same way. On a
 host where a hop to an idle Python process costs about a millisecond, that is most of what
-kvpush adds to a plain engine's TTFT (docs/benchmarks.md, issue 10). The front end runs the
+kvpush adds to a plain engine's TTFT (the benchmark log, issue 10:
+`git show 1df146f:docs/benchmarks.md`). The front end runs the
 same `Dispatcher` as an ASGI middleware in the prefill engine's vLLM API server
 (`--middleware kvpush.proxy.frontend.FrontEnd`, which `kvpush serve --front-end-decode`
 loads): the client talks to the prefill engine, the prefill leg is an in-process call to

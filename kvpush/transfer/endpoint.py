@@ -54,7 +54,8 @@ class TransferConfig:
     fast_window_s: float = 0.005  # how long the fast step lasts after each post
     # the loop thread's niceness, above its process's (Linux: per thread). Where the engine
     # shares its cores, the thread then yields to the engine's own work: the API server's
-    # answer before the push's polling (docs/benchmarks.md, issue 10)
+    # answer before the push's polling (issue 10, in the benchmark log:
+    # `git show 1df146f:docs/benchmarks.md`)
     nice: int = 0
     # staging area for scattered pushes (staging.py), bytes per endpoint: None picks 1 GiB
     # where the KV is in VRAM and none on DRAM; 0 turns staging off

@@ -56,7 +56,7 @@ class ConnectorConfig:
     debug_checksum: bool
     # sys.setswitchinterval in the worker process: how long the endpoint thread can wait for
     # the GIL while vLLM's worker spin-waits for its next step (Python's default is 5 ms;
-    # 0.2 ms measured in docs/benchmarks.md, "The push tail")
+    # 0.2 ms measured in `git show 1df146f:docs/benchmarks.md`, "The push tail")
     gil_switch_interval_s: float = DEFAULT_GIL_SWITCH_INTERVAL_S
     # the endpoint loop's poll step for a few ms after each WRITE is posted (prefill) or
     # announced (decode); 0 keeps the 1 ms busy step (transfer.endpoint.TransferConfig)
@@ -67,8 +67,9 @@ class ConnectorConfig:
     # prefill: the scheduler sends SOURCE to its own ranks when vLLM finishes a request,
     # so the push starts without waiting for the next engine step (kvpush.vllm.scheduler).
     # On by default everywhere since 2026-12-05: on one-core engines it no longer delays the
-    # API server's answer (docs/benchmarks.md, "Made ready ahead on this host"). "auto", the
-    # default before (off on one-core engines), is still accepted and now means on
+    # API server's answer (`git show 1df146f:docs/benchmarks.md`, "Made ready ahead on this
+    # host"). "auto", the default before (off on one-core engines), is still accepted and
+    # now means on
     early_source: bool = True
     # prefill: when vLLM schedules a request's last prompt tokens, the workers make its
     # push's WRITE to each registered decode rank ready (copy plan, NIXL transfer) while the

@@ -157,7 +157,8 @@ def test_cpu_is_idle_within_1s_of_the_last_transfer_and_its_cost_while_a_lease_r
     in-process executor (kvpush's default on CPU) those empty steps wait on the transfer
     instead of spinning, and the engine stays under half a core (0.99 core with vLLM's
     multiprocess executor, whose worker and engine core spin; docs/architecture.md, "Idle
-    cost"). Printed for docs/benchmarks.md."""
+    cost"). Printed: the benchmark log quoted them ("CPU while idle",
+    `git show 1df146f:docs/benchmarks.md`)."""
     import json
 
     from tests.e2e.client import decode_params, post_sync, prefill_params

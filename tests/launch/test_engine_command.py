@@ -1,5 +1,6 @@
 """The engine command `kvpush serve` runs on CPU: the whole process tree pinned to the role's
-cores by default (docs/benchmarks.md, capacity), which `--no-pin-cores` turns off."""
+cores by default (the benchmark log's "Capacity", `git show 1df146f:docs/benchmarks.md`),
+which `--no-pin-cores` turns off."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The push engine with CUDA memory: prefill and decode in two processes on one GPU.
 
 Run on a CUDA host with `pytest -m gpu tests/transfer/test_gpu.py` (docs/benchmarks.md says
-how it ran on an H200); on a host without CUDA every test here is skipped, with that reason.
+how it ran on an H200 and an H100); on a host without CUDA every test here is skipped, with
+that reason.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def test_cached_prefix_on_cuda_is_not_written_even_mid_block(cuda_pair):
 
 
 def test_ucx_reports_the_transport_that_carried_the_writes(cuda_pair):
-    """Not a speed claim: which UCX transports the VRAM-to-VRAM WRITEs used, printed for
-    docs/benchmarks.md. A GPU-to-GPU path in one host is cuda_ipc (or cuda_copy staging)."""
+    """Not a speed claim: which UCX transports the VRAM-to-VRAM WRITEs used, printed (the
+    benchmark log quoted it). A GPU-to-GPU path in one host is cuda_ipc (or cuda_copy staging)."""
     prefill, decode, address, log_dir = cuda_pair
     push(prefill, decode, address, [1], [2], 16)
     lines = [
