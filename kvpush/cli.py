@@ -115,7 +115,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvpush.launch import demo
+    from kvpush.bench import demo
 
     return demo.main()
 

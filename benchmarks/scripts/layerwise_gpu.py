@@ -2,7 +2,7 @@
 
 The KV of one TP-8 rank of Qwen3-32B (64 layers, K and V apart: 128 regions, 4 KiB per block
 per region), contiguous blocks, 1k / 4k / 16k tokens. Prefill's forward is simulated in
-prefill's process (kvpush.transfer.harness.simulated_forward): per layer, CUDA's sleep
+prefill's process (kvpush.bench.harness.simulated_forward): per layer, CUDA's sleep
 kernel for LAYER_MS_PER_1K * tokens / 1024 ms, then, layer by layer, computed() with that
 layer's CUDA event; after the last layer's work, push() as the connector's would come.
 "tail" is decode's notification (its endpoint's mark) minus the end of the forward's work,
@@ -28,11 +28,10 @@ LAYER_MS_PER_1K = 0.2  # per layer, per 1,024 tokens: about 12.8 ms of forward p
 
 
 def main(out: str, device: str = "cuda") -> None:
+    from kvpush.bench.harness import Side
     from kvpush.bench.transfer import QWEN3_32B_TP8, _free_port
     from kvpush.transfer.endpoint import TransferConfig
-    from kvpush.transfer.harness import Side
-    from kvpush.transfer.receiver import PrefillAddress
-    from kvpush.transfer.wire import Compat, TransferKey
+    from kvpush.transfer.wire import Compat, PrefillAddress, TransferKey
 
     tokens_run = TOKENS if device != "cpu" else TOKENS[:1]
     n_max = max(tokens_run) // 16

@@ -26,11 +26,10 @@ VARIANTS = {"push": False, "push_ahead": True}  # name: made ready first
 
 
 def main(out: str, device: str = "cuda") -> None:
+    from kvpush.bench.harness import Side
     from kvpush.bench.transfer import QWEN3_32B_TP8, RawSide, _free_port, _push, push_parts_ms
     from kvpush.transfer.endpoint import TransferConfig
-    from kvpush.transfer.harness import Side
-    from kvpush.transfer.receiver import PrefillAddress
-    from kvpush.transfer.wire import Compat
+    from kvpush.transfer.wire import Compat, PrefillAddress
 
     tokens_run = TOKENS if device != "cpu" else TOKENS[:1]
     n_max = max(tokens_run) // 16

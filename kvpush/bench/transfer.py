@@ -56,7 +56,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvpush.transfer.harness import LayoutSpec, Side
+from kvpush.bench.harness import LayoutSpec, Side
 
 KIB = 1024
 FULL_GRID = {"block_bytes": [4 * KIB, 64 * KIB, 1024 * KIB], "num_blocks": [1, 16, 256, 4096]}
@@ -77,8 +77,8 @@ CUDA_TOKENS = {"full": [1024, 4096, 16384], "quick": [1024]}
 
 
 def _raw_child(conn: Any, spec: LayoutSpec, seed: int, name: str) -> None:
+    from kvpush.bench.harness import Memory
     from kvpush.transfer.agent import Agent
-    from kvpush.transfer.harness import Memory
     from kvpush.transfer.layout import plan_copies
 
     memory = Memory(spec, seed)
@@ -280,8 +280,7 @@ def _d2d_copy_ms(num_bytes: int, repeats: int) -> float:
 def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
     """Every grid point for one KV shape; `spec.num_blocks` is sized here."""
     from kvpush.transfer.endpoint import TransferConfig
-    from kvpush.transfer.receiver import PrefillAddress
-    from kvpush.transfer.wire import Compat
+    from kvpush.transfer.wire import Compat, PrefillAddress
 
     block_bytes = spec.block_bytes
     limit = MAX_POINT_BYTES if spec.device == "cpu" else 1 << 40

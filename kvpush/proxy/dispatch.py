@@ -26,11 +26,11 @@ import msgspec
 
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
-from kvpush.proxy.firsttoken import Skip, first_token
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.splice import Skip, first_token
 from kvpush.proxy.timeline import Trace
-from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.wire import PrefillAddress
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI-style stream
@@ -315,7 +315,7 @@ class Dispatcher:
         that wins, closes decode's leg and is raised.
 
         `early` (kvpush, streamed): once decode has accepted the request (its headers), the
-        first token comes from prefill's answer (proxy.firsttoken), not decode's first chunk.
+        first token comes from prefill's answer (proxy.splice), not decode's first chunk.
 
         No task of its own: the leg runs in the caller's task, and a prefill failure cancels
         that task from a callback (as asyncio.timeout does), told apart from a cancellation by

@@ -20,25 +20,9 @@ from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
 from kvpush.transfer.handshake import Link
 from kvpush.transfer.layout import digest, plan_regions, rank_heads, writer_heads
 from kvpush.transfer.staging import slot_layout, slot_size
+from kvpush.transfer.wire import PrefillAddress
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillAddress:
-    """Where a prefill engine's ranks listen: rank r on base_port + r."""
-
-    host: str
-    base_port: int
-    tp_size: int = 1
-    engine_id: str | None = None  # when given, the handshake checks it
-
-    def __post_init__(self) -> None:
-        if not self.host or not 0 < self.base_port < 65536 or self.tp_size < 1:
-            raise ValueError(f"bad prefill address {self.host}:{self.base_port} tp={self.tp_size}")
-
-    def rank_address(self, rank: int) -> str:
-        return f"tcp://{self.host}:{self.base_port + rank}"
 
 
 _MAX_ENDED = 10_000

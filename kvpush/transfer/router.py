@@ -19,7 +19,7 @@ import logging
 import zmq
 
 from kvpush.transfer import wire
-from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.wire import PrefillAddress
 
 log = logging.getLogger(__name__)
 

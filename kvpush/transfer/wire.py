@@ -1,4 +1,5 @@
-"""Typed messages of the side channel (msgspec), and the compatibility check.
+"""Typed messages of the side channel (msgspec), the compatibility check, and the value types
+the routers share with the endpoints (PrefillAddress), so that a router never imports one.
 
 Decode ranks start every conversation: HELLO, then REGISTER / CANCEL per transfer.
 Prefill ranks answer with HELLO_ACK, CANCEL_ACK, FAIL and DONE, and announce each WRITE
@@ -12,6 +13,7 @@ can never overtake the data.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import msgspec
 
@@ -35,6 +37,23 @@ CAUSES = (
     "hook",  # a connector hook raised for the request
     "other",  # anything else (a bug): the reason says what
 )
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    """Where a prefill engine's ranks listen: rank r on base_port + r."""
+
+    host: str
+    base_port: int
+    tp_size: int = 1
+    engine_id: str | None = None  # when given, the handshake checks it
+
+    def __post_init__(self) -> None:
+        if not self.host or not 0 < self.base_port < 65536 or self.tp_size < 1:
+            raise ValueError(f"bad prefill address {self.host}:{self.base_port} tp={self.tp_size}")
+
+    def rank_address(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.base_port + rank}"
 
 
 class TransferKey(msgspec.Struct, frozen=True, array_like=True):

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.wire import Failure, TransferKey
+from kvpush.transfer.wire import Failure, PrefillAddress, TransferKey
 
 
 @dataclass(frozen=True)

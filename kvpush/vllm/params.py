@@ -12,8 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.wire import TransferKey
+from kvpush.transfer.wire import PrefillAddress, TransferKey
 
 # vLLM appends "-" and 8 random hex characters to the request id it was given.
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")

@@ -15,9 +15,8 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import SourceAnnouncer
-from kvpush.transfer.wire import Failure
+from kvpush.transfer.wire import Failure, PrefillAddress
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.params import ParamsError, parse

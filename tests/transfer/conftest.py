@@ -5,11 +5,10 @@ from dataclasses import replace
 
 import pytest
 
+from kvpush.bench.harness import LayoutSpec, Side
 from kvpush.transfer.endpoint import TransferConfig
-from kvpush.transfer.harness import LayoutSpec, Side
-from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner
-from kvpush.transfer.wire import Compat, Failure, TransferKey
+from kvpush.transfer.wire import Compat, Failure, PrefillAddress, TransferKey
 from tests.servers import free_port  # noqa: F401 - the transfer tests import it from here
 
 COMPAT = Compat(mode="push", model="tiny", dtype="float16", layout_kind="test")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpush.transfer.harness import LayoutSpec
+from kvpush.bench.harness import LayoutSpec
 
 
 def offsets(spec: LayoutSpec, block_ids: list[int], token: int, head: int, part: int = 0):

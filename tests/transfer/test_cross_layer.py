@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvpush.transfer.receiver import PrefillAddress
+from kvpush.transfer.wire import PrefillAddress
 from tests.transfer.conftest import SPEC, assert_idle, decode_config, free_port, prefill_config
 from tests.transfer.test_faults import sides
 from tests.transfer.test_push import push

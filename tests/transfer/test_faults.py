@@ -12,9 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpush.transfer.harness import Side
-from kvpush.transfer.receiver import PrefillAddress
-from kvpush.transfer.wire import TransferKey
+from kvpush.bench.harness import Side
+from kvpush.transfer.wire import PrefillAddress, TransferKey
 from tests.transfer.conftest import (
     COMPAT,
     SPEC,

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from kvpush.transfer.harness import Side
-from kvpush.transfer.receiver import PrefillAddress
+from kvpush.bench.harness import Side
+from kvpush.transfer.wire import PrefillAddress
 from tests.transfer.conftest import (
     SPEC,
     assert_idle,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvpush.transfer.harness import Side
-from kvpush.transfer.receiver import PrefillAddress
+from kvpush.bench.harness import Side
+from kvpush.transfer.wire import PrefillAddress
 from tests.transfer.conftest import (
     assert_idle,
     decode_config,

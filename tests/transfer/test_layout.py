@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvpush.transfer.harness import LayoutSpec, Memory, fill_pattern, host_addresses
+from kvpush.bench.harness import LayoutSpec, Memory, fill_pattern, host_addresses
 from kvpush.transfer.layout import digest, plan_copies, rank_heads, writer_heads
 from tests.transfer.reference import expected_after_push
 

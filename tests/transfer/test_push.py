@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpush.bench.harness import Side
 from kvpush.transfer.endpoint import TransferConfig
-from kvpush.transfer.harness import Side
-from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.router import Abandoner, SourceAnnouncer
-from kvpush.transfer.wire import TransferKey
+from kvpush.transfer.wire import PrefillAddress, TransferKey
 from tests.transfer.conftest import (
     COMPAT,
     SPEC,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from kvpush.transfer.layout import KVLayout, RegionSpec, plan_copies, plan_regions
-from kvpush.transfer.receiver import PrefillAddress
 from kvpush.transfer.staging import SLOT_ALIGN, Copier, StagingArea, slot_bytes, slot_layout
+from kvpush.transfer.wire import PrefillAddress
 from tests.transfer.conftest import (
     SPEC,
     assert_idle,
@@ -32,7 +32,7 @@ STAGED = {"staging_bytes": 1 << 20, "staging_min_descs": 1}  # every push with 1
 
 @pytest.fixture(scope="module")
 def staged_pair():
-    from kvpush.transfer.harness import Side
+    from kvpush.bench.harness import Side
 
     port = free_port()
     prefill = Side("prefill", prefill_config(port, **STAGED), SPEC, seed=11)

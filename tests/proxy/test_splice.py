@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvpush.proxy.firsttoken import Skip, first_token
+from kvpush.proxy.splice import Skip, first_token
 
 PREFILL = {
     "id": "cmpl-r1", "object": "text_completion", "created": 100, "model": "tiny",
