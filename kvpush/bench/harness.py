@@ -250,8 +250,8 @@ def _child(
                 result = futures.pop(fid).result(timeout=timeout_s)
             elif method == "done":
                 result = futures[args[0]].done()
-            elif method == "gauges":
-                result = endpoint.gauges()
+            elif method in ("gauges", "fallbacks"):
+                result = getattr(endpoint, method)()
             elif method == "counters":
                 result = dict(getattr(endpoint, "counters", {}))
             elif method == "regions":

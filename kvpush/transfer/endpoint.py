@@ -130,6 +130,7 @@ class Endpoint:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._closing = False
         self._gauges: dict[str, int] = {}
+        self._fallbacks: dict[str, int] = {}  # wire.fallback_key -> times, since the start
         self._pending_links: set[str] = set()
         self._fast_until_s = 0.0  # see _hurry()
         self.channel: SideChannel | None = None
@@ -144,6 +145,14 @@ class Endpoint:
     # -- called from any thread ---------------------------------------------------------
     def gauges(self) -> dict[str, int]:
         return dict(self._gauges)
+
+    def fallbacks(self) -> dict[str, int]:
+        """How often each transfer path fell back to the plain one, since the start."""
+        return dict(self._fallbacks)
+
+    def _fell_back(self, path: str, cause: str) -> None:
+        key = wire.fallback_key(path, cause)
+        self._fallbacks[key] = self._fallbacks.get(key, 0) + 1
 
     @property
     def address(self) -> str:

@@ -151,6 +151,7 @@ class DecodeEndpoint(Endpoint):
         addr = self.staging.reserve(size)
         if addr is None:
             self.counters["staging_full"] += 1
+            self._fell_back("staged", "full")
             return 0, 0
         return addr, size
 

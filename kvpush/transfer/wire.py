@@ -161,6 +161,25 @@ class Failure(msgspec.Struct, frozen=True):
 CANCELLED = Failure("cancelled", "cancelled by decode")
 
 
+# When a transfer leaves a faster path for the plain one, as counted (kvpush:fallbacks{path,
+# cause}): it still completes, slower. Counted so that a systematic failure of a path (which
+# would switch its optimisation off silently) shows.
+FALLBACK_PATHS = (
+    "ready_ahead",  # prefill: the WRITE made ready while prefill computes (prepare_ahead)
+    "layerwise",  # prefill: layers written as the forward computes them
+    "staged",  # either side: scattered blocks gathered into, or scattered from, a slot
+)
+FALLBACK_CAUSES = (
+    "full",  # no room (a staging area with no slot free)
+    "error",  # the path raised or its WRITE could not be posted: the log says why
+)
+
+
+def fallback_key(path: str, cause: str) -> str:
+    """The name a fallback is counted under, across processes: "path:cause"."""
+    return f"{path}:{cause}"
+
+
 class FailMsg(msgspec.Struct, tag="fail"):
     key: TransferKey
     failure: Failure

@@ -225,6 +225,7 @@ class PrefillEndpoint(Endpoint):
                 "WRITE", peer.agent_name, src, dst, lay.mem_type, peer.layout.mem_type
             )
         except Exception as e:
+            self._fell_back("ready_ahead", "error")
             log.debug("prefill: no WRITE made ready ahead for %s: %s", key, e)
             return
         hint.ready[address] = _Ahead(reg, plan, handle, time.monotonic())
@@ -307,6 +308,7 @@ class PrefillEndpoint(Endpoint):
                     return
                 plan, _, _ = self._direct(reg, lay.source, peer, heads)
         except Exception as e:  # push() plans it again and reports the error
+            self._fell_back("layerwise", "error")
             log.debug("prefill: %s not written layer by layer: %s", key, e)
             return
         if self._matcher.begin(key, address) is None:
@@ -348,6 +350,7 @@ class PrefillEndpoint(Endpoint):
         except Exception as e:
             if handle is not None:
                 self.agent.release(handle)
+            self._fell_back("layerwise", "error")
             pieces.failure = wire.Failure("write", f"WRITE of a layer not posted: {e}")
             self._settle_pieces(key, address, pieces)
             return
@@ -689,6 +692,7 @@ class PrefillEndpoint(Endpoint):
         addr = self.staging.reserve(size)
         if addr is None:
             self.counters["staging_full"] += 1
+            self._fell_back("staged", "full")
             return None
         try:
             stage, ids = slot_layout(addr, peer.layout, heads, start, reg.num_tokens)
@@ -697,6 +701,7 @@ class PrefillEndpoint(Endpoint):
         except Exception as e:  # nothing reached decode yet: the direct path still can
             self._unstage(addr)
             self.counters["staging_errors"] += 1
+            self._fell_back("staged", "error")
             log.warning("prefill: gather for %s failed, writing it direct: %s", w.key, e)
             return None
         self.counters["staged"] += 1

@@ -62,6 +62,7 @@ class KVPushConnector(KVConnectorBase_V1):
                 worker.layer_saved(layer_name, meta)
         except Exception:  # the push still writes every layer
             log.exception("kvpush: writing layer %s early failed", layer_name)
+            worker.fell_back("layerwise")
 
     def wait_for_save(self) -> None:
         """Pushes are written by the endpoint's thread, not saved layer by layer: nothing to

@@ -19,6 +19,7 @@ class Push:
     num_tokens: int
     finished_s: float = 0.0  # time.monotonic() when vLLM finished it (the timeline's start)
     first_token: int = -1  # the token prefill sampled: decode continues from it
+    fault: str = ""  # debug_faults (tests only): the worker hook that raises for it
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Expect:
     block_ids: list[int]
     num_tokens: int
     num_cached_tokens: int
+    fault: str = ""  # debug_faults (tests only): the worker hook that raises for it
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 _FINISHED_OK = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 STEP_HOOKS = ("build_connector_meta", "update_connector_output")  # hooks without a request
+WORKER_HOOKS = ("start_load_kv", "get_finished")  # raised in by the worker (PushWorker)
 
 
 def _params_or_none(request: Any):
@@ -99,6 +100,7 @@ class PushScheduler:
             list(blocks.get_block_ids()[0]),
             request.num_prompt_tokens,
             num_local,
+            self._worker_fault(request),
         )
         self._actions.append(expect)
         self._loading[rid] = expect
@@ -239,6 +241,13 @@ class PushScheduler:
         if fault in STEP_HOOKS and hook == arm_at:
             self._step_faults.add(fault)
 
+    def _worker_fault(self, request: Any) -> str:
+        """debug_faults (tests only): the worker hook named by the request's
+        `kvpush_debug_fault`, which the worker then raises in for it; else ""."""
+        params = request.kv_transfer_params if self.config.debug_faults else None
+        fault = params.get("kvpush_debug_fault") if isinstance(params, dict) else None
+        return fault if fault in WORKER_HOOKS else ""
+
     # -- prefill --------------------------------------------------------------------------
     def _prefill_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
@@ -263,7 +272,15 @@ class PushScheduler:
             self._actions.append(m.Abort(key, ended))
             return False, None
         first = request.output_token_ids[0] if request.output_token_ids else -1
-        push = m.Push(rid, key, list(block_ids), request.num_prompt_tokens, time.monotonic(), first)
+        push = m.Push(
+            rid,
+            key,
+            list(block_ids),
+            request.num_prompt_tokens,
+            time.monotonic(),
+            first,
+            self._worker_fault(request),
+        )
         self._actions.append(push)
         self._sending.add(rid)
         if self.config.early_source:

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvpush.transfer.wire import CAUSES
+from kvpush.transfer.wire import CAUSES, FALLBACK_CAUSES, FALLBACK_PATHS, fallback_key
 
 GAUGES = {
     "pending_match": "prefill: transfers waiting for their registration or their prefill",
@@ -45,6 +45,7 @@ def _empty() -> dict[str, Any]:
         "num_bytes": 0,
         "num_descs": 0,
         "failures": {},
+        "fallbacks": {},  # wire.fallback_key -> times
         "elapsed_s": [],
         "phases_s": {},
         "settling": 0,
@@ -81,6 +82,11 @@ class KVPushStats(KVConnectorStats):
         else:
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
 
+    def fell_back(self, counts: dict[str, int]) -> None:
+        """Transfers that left a faster path for the plain one (wire.FALLBACK_PATHS)."""
+        for key, n in counts.items():
+            self.data["fallbacks"][key] = self.data["fallbacks"].get(key, 0) + n
+
     def aggregate(self, other: KVConnectorStats) -> KVPushStats:
         o = other.data
         self.data["gauges"] = o.get("gauges") or self.data["gauges"]  # latest wins
@@ -90,6 +96,7 @@ class KVPushStats(KVConnectorStats):
             self.data[name] += o.get(name, 0)
         for cause, n in o.get("failures", {}).items():
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
+        self.fell_back(o.get("fallbacks", {}))
         self.data["elapsed_s"] = self.data["elapsed_s"] + list(o.get("elapsed_s", []))
         for name, values in o.get("phases_s", {}).items():
             self.data["phases_s"][name] = self.data["phases_s"].get(name, []) + list(values)
@@ -103,6 +110,7 @@ class KVPushStats(KVConnectorStats):
             "MB": round(d["num_bytes"] / 1e6, 3),
             "descriptors": d["num_descs"],
             "failures": sum(d["failures"].values()),
+            "fallbacks": sum(d.get("fallbacks", {}).values()),
             "median_ms": round(float(np.median(times)) * 1e3, 2) if times else 0,
         }
         return out | d["gauges"]
@@ -110,6 +118,7 @@ class KVPushStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         busy = d["gauges"] or d["transfers"] or d["failures"] or d.get("settling")
+        busy = busy or d.get("fallbacks")
         return not (busy or d.get("phases_s"))
 
 
@@ -143,6 +152,20 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             idx: {c: failures.labels(*values, c) for c in CAUSES}
             for idx, values in per_engine_labelvalues.items()
         }
+        fallbacks = self._counter_cls(
+            name="kvpush:fallbacks",
+            documentation="transfers that left a faster path (made ready ahead, layer by "
+            "layer, staged) for the plain one, by path and cause; they still completed",
+            labelnames=[*labelnames, "path", "cause"],
+        )
+        self.fallbacks = {
+            idx: {
+                fallback_key(p, c): fallbacks.labels(*values, p, c)
+                for p in FALLBACK_PATHS
+                for c in FALLBACK_CAUSES
+            }
+            for idx, values in per_engine_labelvalues.items()
+        }
         phases = self._histogram_cls(
             name="kvpush:phase_seconds",
             documentation="per-request timeline phases in the connector (kvpush.vllm.worker."
@@ -171,6 +194,10 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         self.num_descs[engine_idx].inc(d.get("num_descs", 0))
         for cause, n in d.get("failures", {}).items():
             self.failures[engine_idx].get(cause, self.failures[engine_idx]["other"]).inc(n)
+        for key, n in d.get("fallbacks", {}).items():
+            counter = self.fallbacks[engine_idx].get(key)
+            if counter is not None:
+                counter.inc(n)
         for seconds in d.get("elapsed_s", []):
             self.seconds[engine_idx].observe(seconds)
         for name, values in d.get("phases_s", {}).items():

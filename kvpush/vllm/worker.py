@@ -69,10 +69,12 @@ class PushWorker:
         self._timeline: dict[str, tuple[str, dict[str, float]]] = {}  # req_id -> transfer_id,
         # marks known before the endpoint's (Push.finished_s)
         self._cancelled: set[str] = set()
+        self._faults: dict[str, str] = {}  # debug_faults: req_id -> worker hook to raise in
         self._refused: set[str] = set()  # decode: loads to report as failed
         self._unsent: set[str] = set()  # prefill: pushes that could not start
         self._stats = KVPushStats()
         self._last_gauges: dict[str, int] = {}
+        self._last_fallbacks: dict[str, int] = {}  # the endpoint's, at the last take_stats
         self._settling: list[Future] = []  # aborts and cancels not yet acted on
         self._last_settling = 0
         # layer by layer (prefill): each layer's regions; the step whose forward is running
@@ -153,6 +155,7 @@ class PushWorker:
             except Exception as e:  # never raise into the engine: fail this request alone
                 log.warning("kvpush: %s failed: %s", action, e)
                 if isinstance(action, m.Prepare):  # only a head start: the push plans anew
+                    self.fell_back("layerwise" if action.layerwise else "ready_ahead")
                     continue
                 req_id = getattr(action, "req_id", None)
                 if isinstance(action, m.Push):  # vLLM frees its blocks once it is "sent"
@@ -163,6 +166,10 @@ class PushWorker:
                 elif req_id is not None:
                     self._refused.add(req_id)
                 self._stats.record(False, 0, 0, 0.0, cause="other")
+
+    def fell_back(self, path: str, cause: str = "error") -> None:
+        """A transfer left `path` for the plain one (counted in kvpush:fallbacks)."""
+        self._stats.fell_back({wire.fallback_key(path, cause): 1})
 
     @property
     def layerwise(self) -> bool:
@@ -191,6 +198,10 @@ class PushWorker:
 
     def _start(self, a: m.Action) -> None:
         ep = self.endpoint
+        if isinstance(a, m.Push | m.Expect) and a.fault:
+            if a.fault == "start_load_kv":
+                raise RuntimeError(f"kvpush debug fault in start_load_kv for {a.req_id}")
+            self._faults[a.req_id] = a.fault
         if isinstance(a, m.Push):
             marks = {"finished": a.finished_s, "started": time.monotonic()}
             self._timeline[a.req_id] = (a.key.transfer_id, marks)
@@ -225,37 +236,53 @@ class PushWorker:
             wait(list(self._futures.values()), self.config.idle_wait_s, FIRST_COMPLETED)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
+        """(finished sending, finished receiving, failed receiving) since the last call.
+
+        Every finished id is collected, and counted as reported, before anything that can
+        raise: a request vLLM is never told about would hold its blocks for ever. Each
+        future is then read on its own; a load whose outcome cannot be read is failed
+        (decode then has no first token to continue from), a push's is reported sent."""
         sending = set(self._unsent)
         recving, failed = set(self._refused), set(self._refused)
         self._refused.clear()
         self._unsent.clear()
-        for req_id, future in list(self._futures.items()):
-            if not future.done():
-                continue
+        done = [(req_id, f) for req_id, f in self._futures.items() if f.done()]
+        for req_id, _ in done:
             del self._futures[req_id]
-            outcome = future.result()
-            transfer_id, marks = self._timeline.pop(req_id, ("", {}))
-            phases = timeline_phases(marks | outcome.marks | {"reported": time.monotonic()})
+            (sending if self.config.is_prefill else recving).add(req_id)
+        for req_id, future in done:
             cancelled = req_id in self._cancelled
             self._cancelled.discard(req_id)
-            if self.config.is_prefill:
-                sending.add(req_id)
-            else:
-                recving.add(req_id)
-                if not outcome.ok and not cancelled:
-                    failed.add(req_id)
-                elif outcome.ok and outcome.first_token >= 0:
-                    firsttoken.offer(transfer_id, outcome.first_token)
-            if not cancelled:
-                self._stats.record(
-                    outcome.ok,
-                    outcome.num_bytes,
-                    outcome.num_descs,
-                    outcome.elapsed_s,
-                    phases,
-                    cause=outcome.cause,
-                )
+            try:
+                ok = self._settle(req_id, future, cancelled)
+            except Exception:
+                log.exception("kvpush: reading %s's transfer result failed", req_id)
+                ok = False
+                with contextlib.suppress(Exception):
+                    self._stats.record(False, 0, 0, 0.0, cause="other")
+            if not ok and not cancelled and not self.config.is_prefill:
+                failed.add(req_id)
+        return sending, recving, failed
+
+    def _settle(self, req_id: str, future: Future, cancelled: bool) -> bool:
+        """One finished transfer: its stats, timeline and (decode) first token; whether it
+        succeeded."""
+        if self._faults.pop(req_id, "") == "get_finished":
+            raise RuntimeError(f"kvpush debug fault in get_finished for {req_id}")
+        outcome = future.result()
+        transfer_id, marks = self._timeline.pop(req_id, ("", {}))
+        if outcome.ok and not self.config.is_prefill and outcome.first_token >= 0:
+            firsttoken.offer(transfer_id, outcome.first_token)
+        if not cancelled:
+            phases = timeline_phases(marks | outcome.marks | {"reported": time.monotonic()})
+            self._stats.record(
+                outcome.ok,
+                outcome.num_bytes,
+                outcome.num_descs,
+                outcome.elapsed_s,
+                phases,
+                cause=outcome.cause,
+            )
             if log.isEnabledFor(logging.DEBUG):  # formatting the phases is not free
                 log.debug(
                     "kvpush: %s transfer_id=%s %s ok=%s %s bytes=%d descs=%d phases_ms: %s",
@@ -268,7 +295,7 @@ class PushWorker:
                     outcome.num_descs,
                     " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()),
                 )
-        return sending, recving, failed
+        return outcome.ok
 
     def take_stats(self) -> KVPushStats | None:
         """Stats for this step, or None when nothing changed since the last one.
@@ -278,6 +305,11 @@ class PushWorker:
         show their effect. The scheduler keeps the engine stepping while it is above 0."""
         self._settling = [f for f in self._settling if not f.done()]
         settling = len(self._settling)
+        fallbacks = self.endpoint.fallbacks() if self.endpoint is not None else {}
+        last, self._last_fallbacks = self._last_fallbacks, fallbacks
+        self._stats.fell_back(
+            {k: n - last.get(k, 0) for k, n in fallbacks.items() if n > last.get(k, 0)}
+        )
         gauges = self.endpoint.gauges() if self.endpoint is not None else {}
         gauges = {k: v for k, v in gauges.items() if k in GAUGES}
         unchanged = gauges == self._last_gauges and settling == self._last_settling

@@ -100,3 +100,33 @@ def test_a_hook_that_fails_after_the_fact_leaves_the_answer_right(
     assert text_of(run(pair, leg, hook)) == reference(mono_url)
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=IDLE_S)
     assert raised(engines[leg], hook) > fired
+
+
+@pytest.mark.parametrize(
+    ("leg", "hook"),
+    [
+        ("decode", "start_load_kv"),
+        ("decode", "get_finished"),
+        ("prefill", "start_load_kv"),
+        ("prefill", "get_finished"),
+    ],
+)
+def test_a_worker_hook_that_fails_ends_the_request_and_frees_its_blocks(
+    engines, pair, mono_url, leg, hook
+):
+    """The worker half's hooks (kvpush.vllm.worker), raised in for one request. On decode
+    the load fails (vLLM answers 500): with no readable outcome there is no first token to
+    continue from. Prefill's push that cannot start is aborted, and decode told (unless its
+    SOURCE already had the KV written: then the answer is right); a push whose result cannot
+    be read is reported sent, and the answer is right. Either way nothing stays held."""
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=30, step_stale=True)
+    fired = raised(engines[leg], hook)
+    try:
+        answer = text_of(run(pair, leg, hook))
+    except aiohttp.ClientResponseError as e:
+        assert e.status == 500 and (leg, hook) != ("prefill", "get_finished"), e
+    else:
+        assert leg == "prefill" and answer == reference(mono_url)
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=IDLE_S)
+    assert raised(engines[leg], hook) > fired
+    assert text_of(run(pair, "decode", "none")) == reference(mono_url)  # the next is unaffected

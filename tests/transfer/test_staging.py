@@ -195,6 +195,9 @@ def test_a_push_that_finds_no_slot_free_goes_direct(sides, full):
     p, d = counters(prefill, decode)
     assert (p["staged"], d["staged"]) == (0, 0)
     assert (p["staging_full"], d["staging_full"]) == ((1, 0) if full == "prefill" else (0, 1))
+    counted = {"staged:full": 1}  # in kvpush:fallbacks, on the side that had no room
+    expected = (counted, {}) if full == "prefill" else ({}, counted)
+    assert (prefill.call("fallbacks"), decode.call("fallbacks")) == expected
     assert_idle(prefill, decode)
 
 
@@ -207,6 +210,7 @@ def test_a_gather_that_fails_goes_direct_and_frees_its_slot(sides):
     assert out.num_descs == 3 * SPEC.num_regions
     p, d = counters(prefill, decode)
     assert (p["staging_errors"], p["staged"], d["staged"]) == (1, 0, 0)
+    assert prefill.call("fallbacks") == {"staged:error": 1}
     assert_idle(prefill, decode)  # both slots free again
 
 

@@ -7,6 +7,7 @@ own RequestStatus. tests/e2e/test_hook_faults.py injects the same faults into re
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,8 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from kvpush.transfer import wire
-from kvpush.transfer.wire import Failure
+from kvpush.transfer.endpoint import Outcome
+from kvpush.transfer.wire import Failure, PrefillAddress
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.scheduler import PushScheduler
@@ -244,9 +246,86 @@ def test_a_prepare_that_fails_in_the_worker_fails_no_request():
         def gauges(self):
             return {}
 
+        def fallbacks(self):
+            return {}
+
     worker = PushWorker(scheduler(prefill=True).config, None)
     worker.endpoint = Broken()
     worker.start([m.Prepare(wire.TransferKey("t7"), [1, 2], 20)])
     assert worker.results() == (set(), set(), set())
     stats = worker.take_stats()
-    assert stats is None or not stats.data["failures"], stats.data
+    assert not stats.data["failures"], stats.data
+    assert stats.data["fallbacks"] == {"ready_ahead:error": 1}  # counted, not silent
+
+
+class Transfers:
+    """An endpoint whose transfers end as the test says: a Future per request, resolved
+    with an Outcome, or with an exception (an endpoint bug)."""
+
+    def __init__(self, ends: dict[str, object]) -> None:
+        self.ends = ends
+
+    def _future(self, key):
+        future: Future = Future()
+        end = self.ends[key.transfer_id]
+        if isinstance(end, Exception):
+            future.set_exception(end)
+        else:
+            future.set_result(end)
+        return future
+
+    def expect(self, key, *args):
+        return self._future(key)
+
+    def push(self, key, *args):
+        return self._future(key)
+
+    def gauges(self):
+        return {}
+
+    def fallbacks(self):
+        return {}
+
+
+def expects(*rids: str, fault: str = "") -> list:
+    prefill = PrefillAddress("127.0.0.1", 5600)
+    return [m.Expect(r, wire.TransferKey(r), prefill, [1], 16, 0, fault) for r in rids]
+
+
+def test_a_load_whose_result_cannot_be_read_fails_alone_and_every_other_is_reported():
+    """The ids are collected before any result is read: one result that raises (here the
+    first in the dict) neither hides the others nor leaves its own request waiting."""
+    worker = PushWorker(scheduler().config, None)
+    worker.endpoint = Transfers({"a": RuntimeError("endpoint bug"), "b": Outcome(True),
+                                 "c": Outcome(False, "dead", cause="dead")})  # fmt: skip
+    worker.start(expects("a", "b", "c"))
+    assert worker.results() == (set(), {"a", "b", "c"}, {"a", "c"})
+    assert worker.results() == (set(), set(), set())  # each reported once
+    assert worker.take_stats().data["failures"] == {"other": 1, "dead": 1}
+
+
+def test_a_push_whose_result_cannot_be_read_is_still_reported_sent():
+    """vLLM frees prefill's blocks once the push is reported sent; the transfer is over."""
+    worker = PushWorker(scheduler(prefill=True).config, None)
+    worker.endpoint = Transfers({"a": RuntimeError("endpoint bug"), "b": Outcome(True)})
+    worker.start([m.Push(r, wire.TransferKey(r), [1], 16) for r in ("a", "b")])
+    assert worker.results() == ({"a", "b"}, set(), set())
+
+
+@pytest.mark.parametrize("hook", ["start_load_kv", "get_finished"])
+def test_injected_worker_faults_fail_the_load_alone(hook):
+    """The faults tests/e2e/test_hook_faults.py injects into real engines' workers."""
+    worker = PushWorker(scheduler(debug_faults=True).config, None)
+    worker.endpoint = Transfers({"a": Outcome(True), "b": Outcome(True)})
+    worker.start(expects("a", fault=hook) + expects("b"))
+    assert worker.results() == (set(), {"a", "b"}, {"a"})
+
+
+def test_the_scheduler_names_a_worker_fault_only_with_debug_faults():
+    r = request(DECODE_PARAMS | {"kvpush_debug_fault": "get_finished"})
+    for on, fault in ((False, ""), (True, "get_finished")):
+        s = scheduler(debug_faults=on)
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, blocks(1, 2), 100)
+        (expect,) = actions(s)
+        assert expect.fault == fault
