@@ -10,7 +10,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvpush"
 FLOORS = (  # bottom first
-    {"settings", "httpclient", "asgi"},
+    {"settings"},
+    {"logs", "httpclient", "asgi"},
     {"transfer"},
     {"vllm", "proxy"},
     {"launch"},

@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from kvpush import logs
 from kvpush.asgi import (
     ClientGone,
     Receive,
@@ -125,6 +126,7 @@ class FrontEnd:
 
     def __init__(self, app: Any, config: ProxyConfig | None = None) -> None:
         self.app = app
+        logs.attach()
         if config is None:
             from kvpush.settings import SETTINGS
 

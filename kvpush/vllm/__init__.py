@@ -6,18 +6,6 @@ vLLM: the command line checks `--connector-extra` at once, not after 7-10 s of i
 vLLM.
 """
 
-import logging
-
-from kvpush.settings import SETTINGS
-
-_log = logging.getLogger("kvpush")
-if not _log.handlers:  # vLLM configures only its own logger; give ours the same shape
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvpush] %(message)s"))
-    _log.addHandler(_handler)
-    _log.setLevel(SETTINGS.log_level.upper())
-    _log.propagate = False
-
 __all__ = ["KVPushConnector"]
 
 

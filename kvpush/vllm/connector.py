@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvpush import logs
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.metadata import PushMetadata
 from kvpush.vllm.scheduler import PushScheduler
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class KVPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        logs.attach()
         config = ConnectorConfig.from_vllm(vllm_config)  # refuses unsupported set-ups
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ValueError(

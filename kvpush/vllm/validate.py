@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpush import logs
 from kvpush.asgi import ClientGone, read_body, replay, respond
 from kvpush.vllm.params import ParamsError, parse
 
@@ -38,6 +39,7 @@ def check_body(body: dict[str, Any]) -> str | None:
 class ValidateMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
+        logs.attach()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] not in _CHECKED_PATHS:
