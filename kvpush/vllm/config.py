@@ -11,7 +11,7 @@ from kvpush.vllm.params import validation_error
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
-DEFAULT_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
+CPU_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
 DEFAULT_FAST_POLL_S = 0.0001  # see ConnectorConfig.fast_poll_s
 DEFAULT_IDLE_WAIT_S = 0.002  # see ConnectorConfig.idle_wait_s
 DEFAULT_ENDPOINT_NICE = 0  # see ConnectorConfig.endpoint_nice
@@ -31,7 +31,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     dead_after_s: Seconds = 5.0
     heartbeat_s: Seconds = 1.0
     debug_checksum: bool = False
-    gil_switch_interval_s: Seconds = DEFAULT_GIL_SWITCH_INTERVAL_S
+    gil_switch_interval_s: Seconds | None = None
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
     endpoint_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = DEFAULT_ENDPOINT_NICE
     early_source: bool | Literal["auto"] = True
@@ -55,9 +55,11 @@ class ConnectorConfig:
     heartbeat_s: float
     debug_checksum: bool
     # sys.setswitchinterval in the worker process: how long the endpoint thread can wait for
-    # the GIL while vLLM's worker spin-waits for its next step (Python's default is 5 ms;
-    # 0.2 ms measured in `git show 1df146f:docs/benchmarks.md`, "The push tail")
-    gil_switch_interval_s: float = DEFAULT_GIL_SWITCH_INTERVAL_S
+    # the GIL while vLLM's worker runs Python (Python's default is 5 ms). None leaves the
+    # process's own. Unset, it is 0.2 ms where the engine computes on the CPU, where it was
+    # measured (`git show 1df146f:docs/benchmarks.md`, "The push tail"), and None on a GPU,
+    # where it never was: a process-wide setting is not changed on a guess
+    gil_switch_interval_s: float | None = None
     # the endpoint loop's poll step for a few ms after each WRITE is posted (prefill) or
     # announced (decode); 0 keeps the 1 ms busy step (transfer.endpoint.TransferConfig)
     fast_poll_s: float = DEFAULT_FAST_POLL_S
@@ -151,6 +153,8 @@ class ConnectorConfig:
             else extra.prepare_ahead,
             "layerwise": _on_gpu(vllm_config) if extra.layerwise == "auto" else extra.layerwise,
         }
+        if extra.gil_switch_interval_s is None and not _on_gpu(vllm_config):
+            fields["gil_switch_interval_s"] = CPU_GIL_SWITCH_INTERVAL_S
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
 
 

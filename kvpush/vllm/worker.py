@@ -95,7 +95,8 @@ class PushWorker:
         from kvpush.transfer.writer import PrefillEndpoint
 
         cfg, vcfg = self.config, self.vllm_config
-        sys.setswitchinterval(cfg.gil_switch_interval_s)
+        if cfg.gil_switch_interval_s is not None:  # process-wide: only where it was measured
+            sys.setswitchinterval(cfg.gil_switch_interval_s)
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = vcfg.model_config
         layout = layout_from_kv_caches(

@@ -65,7 +65,8 @@ def test_unsupported_set_ups_are_refused_naming_the_setting(kw, message):
 
 
 def test_gil_switch_interval_defaults_and_refuses_a_bad_value():
-    assert ConnectorConfig.from_vllm(vllm_config()).gil_switch_interval_s == 0.0002
+    assert ConnectorConfig.from_vllm(vllm_config()).gil_switch_interval_s is None  # GPU
+    assert ConnectorConfig.from_vllm(vllm_config(device="cpu")).gil_switch_interval_s == 0.0002
     cfg = ConnectorConfig.from_vllm(vllm_config(extra={"gil_switch_interval_s": 0.001}))
     assert cfg.gil_switch_interval_s == 0.001
     with pytest.raises(
