@@ -64,6 +64,7 @@ bench: venv
 lint: venv
 	$(BIN)/ruff check kvpush tests benchmarks/scripts
 	$(BIN)/ruff format --check kvpush tests benchmarks/scripts
+	$(BIN)/mypy
 
 fmt: venv
 	$(BIN)/ruff format kvpush tests benchmarks/scripts

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 Scope = dict[str, Any]
@@ -58,7 +58,7 @@ async def respond(
     send: Send,
     status: int,
     body: bytes,
-    headers: list[tuple[bytes, bytes]] = (),
+    headers: Sequence[tuple[bytes, bytes]] = (),
     content_type: bytes = b"application/json",
 ) -> None:
     """A whole answer."""

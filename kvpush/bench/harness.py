@@ -219,7 +219,7 @@ def _child(
         def no_memory(self: StagingArea, *args: Any) -> None:
             raise MemoryError("injected: no memory for the staging area")
 
-        StagingArea.__init__ = no_memory  # type: ignore[method-assign]
+        StagingArea.__init__ = no_memory  # type: ignore[method-assign,assignment]
 
     log_dir = os.environ.get("KVPUSH_CHILD_LOG_DIR")
     if log_dir:  # UCX and NIXL print from C: keep their lines per process
@@ -229,7 +229,7 @@ def _child(
     cls = PrefillEndpoint if role == "prefill" else DecodeEndpoint
     try:
         memory = Memory(spec, seed)
-        endpoint = cls(config, spec.build(memory.addresses()))
+        endpoint: Any = cls(config, spec.build(memory.addresses()))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -331,7 +331,7 @@ class Side:
         return self.call("wait", future_id, timeout_s, timeout_s=timeout_s + 5)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if self.proc.is_alive() and self.proc.pid is not None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join()
 

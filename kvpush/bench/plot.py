@@ -95,9 +95,9 @@ def shares(points: dict[tuple, list[dict]], slo: SloConfig | None) -> dict[tuple
     out = {}
     for key, runs in points.items():
         values = [slo_.attainment(r, target) for r in runs if (target := slo or slo_.of(r))]
-        values = [v for v in values if v is not None]
-        if values:
-            out[key] = statistics.fmean(values)
+        found = [v for v in values if v is not None]
+        if found:
+            out[key] = statistics.fmean(found)
     return out
 
 
@@ -294,8 +294,8 @@ def table(
         row = [f"{qps:g}", str(n_in), str(n_out)]
         row += [fmt.format(value[m]) if value[m] is not None else "-" for m in modes]
         for a, b in pairs:
-            ok = value[a] is not None and value[b]
-            row.append(f"{value[a] / value[b]:.2f}" if ok else "-")
+            va, vb = value[a], value[b]
+            row.append(f"{va / vb:.2f}" if va is not None and vb else "-")
         lines.append("| " + " | ".join(row) + " |")
     return [*lines, ""]
 

@@ -17,6 +17,7 @@ processes, and each point also needs the proxy's /metrics and /timelines read ar
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -238,7 +239,7 @@ def rounds(modes: list[str], num_rounds: int, iterations: int) -> list[tuple[str
     return [(m, r * iterations) for r in range(num_rounds) for m in modes]
 
 
-def main(args: object) -> int:
+def main(args: argparse.Namespace) -> int:
     from kvpush.launch import tinymodel
     from kvpush.settings import SETTINGS
 
@@ -299,11 +300,11 @@ def main(args: object) -> int:
         stack.start()
         try:
             engines = describe(stack)
-            for name, e in engines.items():
+            for name, engine in engines.items():
                 if connector_of(mode) == "kvpush":
-                    e["connector_extra"] = connector_extra
-                e["extra_args"] = list(args.vllm_arg)
-                print(f"  {name}: {e}", flush=True)
+                    engine["connector_extra"] = connector_extra
+                engine["extra_args"] = list(args.vllm_arg)
+                print(f"  {name}: {engine}", flush=True)
             sweep(mode, mode_url(mode, stack), results_dir=results_dir, tokenizer=tokenizer,
                   prompts=prompts, slo=slo, engines=engines, first_iteration=first,
                   metrics_urls=tuple(s.url for s in stack.specs), **grid)  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvpush.launch.engine import EngineSpec
 from kvpush.launch.stack import DECODE_PORT, PROXY_PORT, Stack, stack_specs
@@ -33,11 +34,11 @@ def connector_of(mode: str) -> str | None:
     return "kvpush" if mode == FRONT_END else mode
 
 
-def disaggregated_specs(model: str, connector: str, **engine_kw: object) -> list[EngineSpec]:
+def disaggregated_specs(model: str, connector: str, **engine_kw: Any) -> list[EngineSpec]:
     return stack_specs(model, connector, NUM_PREFILL, NUM_DECODE, **engine_kw)
 
 
-def baseline_specs(mode: str, model: str, **engine_kw: object) -> list[EngineSpec]:
+def baseline_specs(mode: str, model: str, **engine_kw: Any) -> list[EngineSpec]:
     """The plain engines of a baseline, on the hardware of the 1P1D stack; the executor is
     the mode's (`mono-mp`: multiprocess, else in-process), whatever `engine_kw` says."""
     engine_kw = {k: v for k, v in engine_kw.items() if k not in ("connector_extra", "in_process")}
@@ -73,7 +74,7 @@ def baseline_specs(mode: str, model: str, **engine_kw: object) -> list[EngineSpe
 
 def _cpu_ids(cores: str) -> list[int]:
     """ "0,2-3" -> [0, 2, 3]."""
-    out = []
+    out: list[int] = []
     for part in cores.split(","):
         first, _, last = part.partition("-")
         out += range(int(first), int(last or first) + 1)
@@ -81,7 +82,7 @@ def _cpu_ids(cores: str) -> list[int]:
 
 
 def mode_stack(
-    mode: str, model: str, log_dir: Path, connector_extra: dict | None = None, **engine_kw: object
+    mode: str, model: str, log_dir: Path, connector_extra: dict | None = None, **engine_kw: Any
 ) -> Stack:
     """The stack a mode names; `connector_extra` goes into kvpush's kv_connector_extra_config."""
     if mode in BASELINES:
@@ -91,6 +92,7 @@ def mode_stack(
         front = [sys.executable, "-m", "kvpush.bench.roundrobin", "--port", str(PROXY_PORT)]
         return Stack(specs, mode, PROXY_PORT, log_dir, proxy_cmd=front + [s.url for s in specs])
     connector = connector_of(mode)
+    assert connector is not None  # a disaggregated mode
     if connector == "kvpush" and connector_extra:
         engine_kw = engine_kw | {"connector_extra": connector_extra}
     specs = disaggregated_specs(model, connector, **engine_kw)

@@ -403,8 +403,8 @@ def _run_shape(spec: LayoutSpec, counts: list[int], repeats: int) -> list[dict]:
         for p_side, d_side, _ in pairs.values():
             p_side.close()
             d_side.close()
-        for raw in (raw_p, raw_d):
-            raw.close()
+        raw_p.close()
+        raw_d.close()
     return rows
 
 
@@ -529,7 +529,7 @@ def main(quick: bool = False, out: Path | None = None, device: str = "cpu") -> i
         os.environ["KVPUSH_CHILD_LOG_DIR"] = log_dir  # the children's C-level output
     print(HEADER, flush=True)
     rows: list[dict] = []
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "transfer",
         "quick": quick,
         "memory": memory,

@@ -105,6 +105,7 @@ class EngineSpec:
     def kv_transfer_config(self) -> dict | None:
         if self.role == "mono":
             return None
+        assert self.connector is not None  # every role but mono has one
         extra: dict = {"backends": ["UCX"]}
         config: dict = {
             "kv_connector": VLLM_CONNECTOR[self.connector],

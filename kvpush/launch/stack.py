@@ -7,14 +7,17 @@ line, and stops everything it started on Ctrl-C, SIGTERM or `kvpush down`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvpush.launch.engine import (
     Engine,
@@ -49,7 +52,7 @@ def serve(spec: EngineSpec, describe_to: Path | None) -> int:
         stop()
 
 
-def _forward_signals(proc: subprocess.Popen) -> callable:
+def _forward_signals(proc: subprocess.Popen) -> Callable[[], object]:
     def handler(signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
@@ -59,7 +62,7 @@ def _forward_signals(proc: subprocess.Popen) -> callable:
 
 
 def stack_specs(
-    model: str, connector: str, num_prefill: int, num_decode: int, **engine_kw: object
+    model: str, connector: str, num_prefill: int, num_decode: int, **engine_kw: Any
 ) -> list[EngineSpec]:
     specs = []
     for i in range(num_prefill):
@@ -264,7 +267,7 @@ def down() -> int:
     return 0
 
 
-def spec_from_args(args: object) -> EngineSpec:
+def spec_from_args(args: argparse.Namespace) -> EngineSpec:
     from kvpush.launch import tinymodel
 
     model = args.model or str(tinymodel.ensure())

@@ -164,7 +164,7 @@ def serve(config: ProxyConfig, host: str, port: int) -> None:
     try:
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
 

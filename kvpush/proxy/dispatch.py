@@ -49,8 +49,9 @@ class DecodeResponse(Protocol):
     """What the dispatcher needs of decode's answer (an aiohttp.ClientResponse)."""
 
     status: int
-    content: Content
 
+    @property
+    def content(self) -> Content: ...
     async def read(self) -> bytes: ...
     def close(self) -> None: ...  # drops the connection: vLLM aborts the request
     def release(self) -> Any: ...  # after a complete answer: the connection is reused

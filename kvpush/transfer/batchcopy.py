@@ -114,9 +114,8 @@ def pack(
         raise ValueError(f"{len(src_bases)} source regions, {len(dst_bases)} destination regions")
     if max_row_bytes < 8 or max_row_bytes % 8:
         raise ValueError(f"max_row_bytes must be a positive multiple of 8, got {max_row_bytes}")
-    rows = split_rows(
-        *(np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes)), max_row_bytes
-    )
+    src_, dst_, len_ = (np.asarray(a, dtype=np.int64) for a in (src, dst, num_bytes))
+    rows = split_rows(src_, dst_, len_, max_row_bytes)
     bases = [np.asarray(a, dtype=np.int64) for a in (src_bases, dst_bases)]
     arrays = [*rows, *bases]
     return np.concatenate(arrays), word_size(*arrays), len(rows[0])

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvpush.transfer import wire
@@ -264,7 +265,7 @@ class Endpoint:
         self._gauges = self._read_gauges()  # current before any caller sees its command done
         for cmd, result in done:
             if isinstance(result, Future):
-                result.add_done_callback(lambda f, c=cmd: _chain(f, c.future))
+                result.add_done_callback(partial(_chain, dst=cmd.future))
             else:
                 cmd.future.set_result(result)
 

@@ -94,7 +94,7 @@ class SideChannel:
         link.monitor.close()
         link.dealer.close()
 
-    def send(self, link: Link, sender: str, msg: msgspec.Struct) -> None:
+    def send(self, link: Link, sender: str, msg: wire.Msg) -> None:
         try:
             envelope = wire.Envelope(sender, self.address, msg)
             link.dealer.send(wire.encode(envelope), zmq.NOBLOCK)

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpush.transfer import wire
 from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
@@ -342,7 +343,7 @@ class DecodeEndpoint(Endpoint):
             now = time.monotonic()
             exp.marks["notified"] = now
             if not exp.future.done():
-                fields = {"elapsed_s": now - exp.started_s, "marks": exp.marks}
+                fields: dict[str, Any] = {"elapsed_s": now - exp.started_s, "marks": exp.marks}
                 if exp.failure is None:
                     outcome = Outcome(True, first_token=exp.first_token, **fields)
                 else:

@@ -546,7 +546,7 @@ class PrefillEndpoint(Endpoint):
         future = self._futures.pop(r.key, None)
         self._gauges = self._read_gauges()  # current before the caller sees the future done
         marks = self._marks.pop(r.key, {})
-        fields = {"num_bytes": num_bytes, "num_descs": num_descs, "marks": marks}
+        fields: dict[str, Any] = {"num_bytes": num_bytes, "num_descs": num_descs, "marks": marks}
         fields["elapsed_s"] = time.monotonic() - started
         if r.failure is None:
             outcome = Outcome(True, **fields)

@@ -42,6 +42,7 @@ def layout_from_kv_caches(
     mem_type = "DRAM" if on_cpu else "VRAM"
     dev_id = first.device.index or 0
     shape = tuple(first.shape)
+    dim_major_parts: tuple[int, ...]
     if len(shape) == 4 and shape[1] == len(heads) and shape[2] == block_size:
         num_blocks, _, _, content = shape
         regions = [RegionSpec(t.data_ptr(), t.stride(0) * size) for t in tensors]

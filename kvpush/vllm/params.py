@@ -80,8 +80,8 @@ def parse(params: Any) -> PushParams | None:
         return PushParams("prefill", p.transfer_id, None)
     if not p.do_remote_prefill:
         return None
-    for name in ("remote_host", "remote_port"):
-        if getattr(p, name) is None:
-            raise ParamsError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+    if p.remote_host is None or p.remote_port is None:
+        name = "remote_host" if p.remote_host is None else "remote_port"
+        raise ParamsError(f"kv_transfer_params.{name} is required with do_remote_prefill")
     address = PrefillAddress(p.remote_host, p.remote_port, p.tp_size, p.remote_engine_id)
     return PushParams("decode", p.transfer_id, address)

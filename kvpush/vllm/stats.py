@@ -132,18 +132,23 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+        # vLLM types its metric classes as one union; each here is the one its name says
+        gauge_cls: Any = self._gauge_cls
+        counter_cls: Any = self._counter_cls
+        histogram_cls: Any = self._histogram_cls
+
         def per_engine(cls: Any, name: str, doc: str, labels: list[str] = labelnames) -> dict:
             return create_metric_per_engine(
                 cls(name=name, documentation=doc, labelnames=labels), per_engine_labelvalues
             )
 
         self.gauges = {
-            name: per_engine(self._gauge_cls, f"kvpush:{name}", doc) for name, doc in GAUGES.items()
+            name: per_engine(gauge_cls, f"kvpush:{name}", doc) for name, doc in GAUGES.items()
         }
-        self.transfers = per_engine(self._counter_cls, "kvpush:transfers", "completed transfers")
-        self.num_bytes = per_engine(self._counter_cls, "kvpush:transferred_bytes", "bytes moved")
-        self.num_descs = per_engine(self._counter_cls, "kvpush:descriptors", "descriptors posted")
-        failures = self._counter_cls(
+        self.transfers = per_engine(counter_cls, "kvpush:transfers", "completed transfers")
+        self.num_bytes = per_engine(counter_cls, "kvpush:transferred_bytes", "bytes moved")
+        self.num_descs = per_engine(counter_cls, "kvpush:descriptors", "descriptors posted")
+        failures = counter_cls(
             name="kvpush:failures",
             documentation="failed transfers by cause",
             labelnames=[*labelnames, "cause"],
@@ -152,7 +157,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             idx: {c: failures.labels(*values, c) for c in CAUSES}
             for idx, values in per_engine_labelvalues.items()
         }
-        fallbacks = self._counter_cls(
+        fallbacks = counter_cls(
             name="kvpush:fallbacks",
             documentation="transfers that left a faster path (made ready ahead, layer by "
             "layer, staged) for the plain one, by path and cause; they still completed",
@@ -166,7 +171,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             }
             for idx, values in per_engine_labelvalues.items()
         }
-        phases = self._histogram_cls(
+        phases = histogram_cls(
             name="kvpush:phase_seconds",
             documentation="per-request timeline phases in the connector (kvpush.vllm.worker."
             "PHASES): prefill handover, next_step, head_start, pair_and_post, write, release; "
@@ -179,7 +184,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             for idx, values in per_engine_labelvalues.items()
         }
         self.seconds = per_engine(
-            self._histogram_cls,
+            histogram_cls,
             "kvpush:transfer_seconds",
             "hand-over (prefill) or registration (decode) to completion",
         )
@@ -202,5 +207,7 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             self.seconds[engine_idx].observe(seconds)
         for name, values in d.get("phases_s", {}).items():
             histogram = self.phases[engine_idx].get(name)
-            for seconds in values if histogram is not None else ():
+            if histogram is None:  # a phase another version names
+                continue
+            for seconds in values:
                 histogram.observe(seconds)
