@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -21,6 +23,10 @@ from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.dispatch import (
     DecodeResponse,
     Dispatcher,
+    EngineUnreachable,
+    LegBroken,
+    LegError,
+    LegTimeout,
     PrefillLost,
     error_text,
     route,
@@ -38,6 +44,71 @@ METRICS = web.AppKey("metrics", ProxyMetrics)
 _JSON = {"Content-Type": "application/json"}
 
 
+@contextlib.contextmanager
+def transport_errors(engine: EngineState) -> Iterator[None]:
+    """aiohttp's client errors as the dispatcher's own (a LegError), naming the engine."""
+    try:
+        yield
+    except aiohttp.ClientError as e:
+        where = f"{engine.info.url}: {type(e).__name__}: {e}"
+        if isinstance(e, aiohttp.ServerTimeoutError):
+            raise LegTimeout(where) from e
+        if isinstance(e, aiohttp.ClientConnectorError):
+            raise EngineUnreachable(where) from e
+        if isinstance(e, aiohttp.ClientConnectionError):
+            raise LegBroken(where) from e
+        raise LegError(where) from e
+
+
+class HttpContent:
+    """An aiohttp response's body stream, raising the dispatcher's errors."""
+
+    def __init__(self, stream: aiohttp.StreamReader, engine: EngineState) -> None:
+        self._stream, self._engine = stream, engine
+
+    def iter_any(self) -> AsyncIterator[bytes]:
+        return _Chunks(self._stream.iter_any(), self._engine)
+
+    async def read(self) -> bytes:
+        with transport_errors(self._engine):
+            return await self._stream.read()
+
+
+class _Chunks:
+    def __init__(self, chunks: AsyncIterator[bytes], engine: EngineState) -> None:
+        self._chunks, self._engine = chunks, engine
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        with transport_errors(self._engine):
+            return await self._chunks.__anext__()
+
+
+class HttpDecodeResponse:
+    """Decode's aiohttp response as the dispatcher's `DecodeResponse`."""
+
+    def __init__(self, response: aiohttp.ClientResponse, engine: EngineState) -> None:
+        self._response, self._engine = response, engine
+        self.status = response.status
+        self._content = HttpContent(response.content, engine)
+
+    @property
+    def content(self) -> HttpContent:
+        return self._content
+
+    async def read(self) -> bytes:
+        with transport_errors(self._engine):
+            return await self._response.read()
+
+    def close(self) -> None:
+        self._response.close()
+
+    def release(self) -> Any:
+        return self._response.release()
+
+
 class HttpLegs:
     """The two legs over each engine's pooled client."""
 
@@ -47,10 +118,11 @@ class HttpLegs:
     async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> bytes:
         client = self.pool.client(engine)
         data = msgspec.json.encode(body)
-        async with client.post(route(chat), data=data, headers=headers | _JSON) as r:
-            answer = await r.read()
-            if r.status == 200:
-                return answer
+        with transport_errors(engine):
+            async with client.post(route(chat), data=data, headers=headers | _JSON) as r:
+                answer = await r.read()
+                if r.status == 200:
+                    return answer
         message = f"prefill engine {engine.info.url}: {error_text(r.status, answer)}"
         if r.status >= 500:
             raise PrefillLost(f"HTTP {r.status}: {message}")
@@ -60,7 +132,10 @@ class HttpLegs:
         self, engine: EngineState, chat: bool, body: dict, headers: dict
     ) -> DecodeResponse:
         data = msgspec.json.encode(body)
-        return await self.pool.client(engine).post(route(chat), data=data, headers=headers | _JSON)
+        client = self.pool.client(engine)
+        with transport_errors(engine):
+            response = await client.post(route(chat), data=data, headers=headers | _JSON)
+        return HttpDecodeResponse(response, engine)
 
 
 def create_app(config: ProxyConfig) -> web.Application:

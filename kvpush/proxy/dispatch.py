@@ -1,5 +1,6 @@
 """Push and pull dispatch: which engines get a request, in what order, and what happens when a
-leg fails. Plain asyncio over two calls (`Legs`), so tests drive it without HTTP.
+leg fails. Plain asyncio over two calls (`Legs`), so tests drive it without HTTP: the legs
+turn their transport's errors into the dispatcher's own (`LegError` and its kinds).
 
 Push: pick decode and prefill, mint a transfer_id, send both legs at once, answer from decode.
 Pull: prefill first, then decode with the kv_transfer_params prefill returned.
@@ -21,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 
 from kvpush.proxy.config import EngineState, ProxyConfig
@@ -46,7 +46,7 @@ class Content(Protocol):
 
 
 class DecodeResponse(Protocol):
-    """What the dispatcher needs of decode's answer (an aiohttp.ClientResponse)."""
+    """What the dispatcher needs of decode's answer (proxy.app.HttpDecodeResponse)."""
 
     status: int
 
@@ -83,6 +83,22 @@ class Call:
 
     def leg_headers(self) -> dict:
         return self.headers | {"X-Request-Id": self.trace.dispatch_id}
+
+
+class LegError(Exception):
+    """A leg's transport failed: the HTTP layer's errors, as the dispatcher's own."""
+
+
+class LegTimeout(LegError):
+    """The engine did not answer in time."""
+
+
+class EngineUnreachable(LegError):
+    """No connection to the engine could be made: it is down, or not there."""
+
+
+class LegBroken(LegError):
+    """The connection to the engine was lost while the leg ran."""
 
 
 class PrefillLost(Exception):
@@ -155,13 +171,13 @@ class Dispatcher:
                 trace.status = f"failed: {type(e).__name__}"
                 self.metrics.observe_latency(trace)
                 raise
-        except (TimeoutError, aiohttp.ServerTimeoutError) as e:
+        except (TimeoutError, LegTimeout) as e:
             raise ProxyError(
                 504,
                 f"an engine did not answer in time ({type(e).__name__}); "
                 f"request_timeout_s={self.config.request_timeout_s}",
             ) from e
-        except (aiohttp.ClientError, PrefillLost) as e:
+        except (LegError, PrefillLost) as e:
             raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
 
     async def _push(self, call: Call) -> Answer:
@@ -294,11 +310,9 @@ class Dispatcher:
     ) -> bytes:
         try:
             answer = await self.legs.prefill(prefill, chat, p_body, headers)
-        except aiohttp.ClientConnectionError as e:
-            if not isinstance(e, aiohttp.ServerTimeoutError):
-                self.pool.mark_failed(prefill, e)
-                raise PrefillLost(f"{type(e).__name__}: {e}") from e
-            raise
+        except (EngineUnreachable, LegBroken) as e:
+            self.pool.mark_failed(prefill, e)
+            raise PrefillLost(f"{type(e).__name__}: {e}") from e
         trace.mark("prefill_answer")
         return answer
 
@@ -366,7 +380,7 @@ class Dispatcher:
                 d_resp.close()
             abandon()
             self.pool.release(decode, tokens)
-            if isinstance(e, aiohttp.ClientConnectorError):
+            if isinstance(e, EngineUnreachable):
                 self.pool.mark_failed(decode, e)
             raise
         d_resp = hold[0]
@@ -467,7 +481,7 @@ class Dispatcher:
                 except StopAsyncIteration:  # decode ended its stream: complete
                     finished = True
                     break
-                except (aiohttp.ClientError, TimeoutError) as e:
+                except (LegError, TimeoutError) as e:
                     log.warning("decode's stream failed mid-answer: %r", e)
                     await write(sse_error(502, f"decode engine failed mid-stream: {e!r}"))
                     break

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import pytest
 
 from kvpush.proxy import dispatch
@@ -409,7 +408,7 @@ def test_kvpush_decode_failure_after_prefills_token_ends_the_stream_with_an_erro
         await until(lambda: legs.prefills and legs.decodes)
         legs.prefills[0].set_result(PREFILL_ANSWER % b"length")
         answer = await task
-        legs.decodes[0].answer(decode_chunk("A"), aiohttp.ClientPayloadError("reset"))
+        legs.decodes[0].answer(decode_chunk("A"), dispatch.LegBroken("reset"))
         out: list[bytes] = []
 
         async def write(b: bytes) -> None:
@@ -535,5 +534,44 @@ def test_a_streamed_request_is_accepted_once_decode_has_and_before_prefills_answ
         legs.decodes[1].answer(b'{"choices": []}')
         await task
         assert accepted == [1]
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("lost", [dispatch.EngineUnreachable, dispatch.LegBroken])
+def test_a_prefill_whose_connection_fails_is_marked_down_and_the_request_re_sent(lost):
+    """The legs raise the dispatcher's own errors (proxy.app turns aiohttp's into them)."""
+
+    async def go():
+        dispatcher, pool, legs, _ = make()
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
+        await until(lambda: len(legs.prefills) == 1)
+        legs.prefills[0].set_exception(lost("p0: reset"))
+        await until(lambda: len(legs.prefills) == 2)
+        assert [s.healthy for s in pool.states] == [False, True, True]
+        legs.prefills[1].set_result(b"{}")
+        await until(lambda: len(legs.decodes) == 2)
+        legs.decodes[1].chunks.put_nowait(b"data: x\n\n")
+        (await task).finish(True)
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("error", "status"), [(dispatch.LegTimeout, 504), (dispatch.LegError, 502)]
+)
+def test_a_prefill_leg_that_times_out_or_fails_otherwise_is_not_re_sent(error, status):
+    async def go():
+        dispatcher, pool, legs, _ = make()
+        body = STREAM | {"stream": False}
+        task = asyncio.ensure_future(dispatcher.dispatch(body, False, {}, Trace(None)))
+        await until(lambda: len(legs.prefills) == 1)
+        legs.prefills[0].set_exception(error("p0: no answer"))
+        with pytest.raises(ProxyError) as failed:
+            await task
+        assert failed.value.status == status and len(legs.prefills) == 1
+        assert all(s.healthy for s in pool.states)
+        await until(lambda: idle(pool))
 
     asyncio.run(go())
