@@ -13,7 +13,6 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -42,6 +41,9 @@ log = logging.getLogger(__name__)
 POOL = web.AppKey("pool", EnginePool)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 _JSON = {"Content-Type": "application/json"}
+# How long a complete stream's connection may take to reach its chunked end before it is
+# closed instead of reused: vLLM's server writes that end right after [DONE].
+REUSE_WAIT_S = 1.0
 
 
 @contextlib.contextmanager
@@ -89,8 +91,10 @@ class _Chunks:
 class HttpDecodeResponse:
     """Decode's aiohttp response as the dispatcher's `DecodeResponse`."""
 
-    def __init__(self, response: aiohttp.ClientResponse, engine: EngineState) -> None:
-        self._response, self._engine = response, engine
+    def __init__(
+        self, response: aiohttp.ClientResponse, engine: EngineState, legs: HttpLegs
+    ) -> None:
+        self._response, self._engine, self._legs = response, engine, legs
         self.status = response.status
         self._content = HttpContent(response.content, engine)
 
@@ -105,8 +109,25 @@ class HttpDecodeResponse:
     def close(self) -> None:
         self._response.close()
 
-    def release(self) -> Any:
-        return self._response.release()
+    def release(self) -> None:
+        """The answer is complete: give the connection back to the pool once the stream's
+        chunked end is read. The relay stops at [DONE], which comes a write before that end;
+        aiohttp closes a connection released before it, and the next decode leg would pay a
+        TCP connect and accept on the engines' cores. An end that does not come within
+        REUSE_WAIT_S closes the connection instead (reused, it could carry the rest into the
+        next request's answer)."""
+        response = self._response
+
+        async def at_end() -> None:
+            try:
+                async with asyncio.timeout(REUSE_WAIT_S):
+                    await response.content.read()
+            except BaseException:
+                response.close()
+                raise
+            response.release()
+
+        self._legs.track(asyncio.ensure_future(at_end()))
 
 
 class HttpLegs:
@@ -114,6 +135,25 @@ class HttpLegs:
 
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
+        self._background: set[asyncio.Future] = set()  # reads of complete streams' ends
+
+    def track(self, task: asyncio.Future) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Future) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.debug("a complete stream's connection was closed, not reused: %r", e)
+
+    async def close(self) -> None:
+        """At shutdown, before the pool's clients close: end the reads of streams' ends, each
+        closing its response, so that none is left to the garbage collector with its
+        connection open."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def prefill(self, engine: EngineState, chat: bool, body: dict, headers: dict) -> bytes:
         client = self.pool.client(engine)
@@ -135,19 +175,21 @@ class HttpLegs:
         client = self.pool.client(engine)
         with transport_errors(engine):
             response = await client.post(route(chat), data=data, headers=headers | _JSON)
-        return HttpDecodeResponse(response, engine)
+        return HttpDecodeResponse(response, engine, self)
 
 
 def create_app(config: ProxyConfig) -> web.Application:
     pool = EnginePool(config)
     metrics = ProxyMetrics()
     abandoner = Abandoner() if config.connector == "kvpush" else None
-    dispatcher = Dispatcher(config, pool, HttpLegs(pool), metrics, abandoner)
+    legs = HttpLegs(pool)
+    dispatcher = Dispatcher(config, pool, legs, metrics, abandoner)
 
     async def lifespan(app: web.Application) -> AsyncIterator[None]:
         await pool.start()
         yield
         await dispatcher.close()
+        await legs.close()
         await pool.stop()
         if abandoner is not None:
             abandoner.close()

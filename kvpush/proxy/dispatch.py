@@ -34,9 +34,6 @@ from kvpush.transfer.wire import PrefillAddress
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI-style stream
-# How long a complete stream's connection may take to reach its chunked end before it is
-# closed instead of reused: vLLM's server writes that end right after [DONE].
-REUSE_WAIT_S = 1.0
 MAX_PREFILL_TRIES = 2  # the first engine and one other; then decode computes the prompt
 
 
@@ -54,7 +51,7 @@ class DecodeResponse(Protocol):
     def content(self) -> Content: ...
     async def read(self) -> bytes: ...
     def close(self) -> None: ...  # drops the connection: vLLM aborts the request
-    def release(self) -> Any: ...  # after a complete answer: the connection is reused
+    def release(self) -> Any: ...  # the answer is complete: the transport may reuse its link
 
 
 class Legs(Protocol):
@@ -135,7 +132,7 @@ class Dispatcher:
         self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
         self.abandoner = abandoner
         # tasks that outlive the handler that started them: prefill legs (a streamed answer
-        # can end before prefill's does) and the reads of complete streams' ends (_reuse)
+        # can end before prefill's does)
         self._background: set[asyncio.Future] = set()
 
     async def close(self) -> None:
@@ -388,7 +385,7 @@ class Dispatcher:
 
         def finish(finished: bool) -> None:
             if finished and not ends:
-                self._reuse(d_resp)
+                d_resp.release()
             else:
                 d_resp.close()
                 abandon()
@@ -412,27 +409,6 @@ class Dispatcher:
             finish(True)
             return Answer(trace, data)
         return Answer(trace, None, data, d_resp, finish)
-
-    def _reuse(self, d_resp: DecodeResponse) -> None:
-        """Give a complete stream's connection back to the pool once its chunked end is read.
-        The relay stops at [DONE], which comes a write before that end; aiohttp closes a
-        connection released before it, and the next decode leg would pay a TCP connect and
-        accept on the engines' cores."""
-
-        async def at_end() -> None:
-            try:
-                async with asyncio.timeout(REUSE_WAIT_S):
-                    await d_resp.content.read()
-            except BaseException:
-                d_resp.close()
-                raise
-            d_resp.release()
-
-        self._track(asyncio.ensure_future(at_end())).add_done_callback(self._reused)
-
-    def _reused(self, task: asyncio.Future) -> None:
-        if not task.cancelled() and (e := task.exception()) is not None:
-            log.debug("a complete stream's connection was closed, not reused: %r", e)
 
     async def _decode_leg(
         self,

@@ -177,6 +177,7 @@ class FrontEnd:
             if message["type"].startswith("lifespan.shutdown"):
                 if self._started is not None:
                     await self.dispatcher.close()
+                    await self.legs.close()
                     with contextlib.suppress(Exception):
                         await self.pool.stop()
                 self.abandoner.close()

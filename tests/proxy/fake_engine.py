@@ -1,6 +1,7 @@
 """A fake vLLM engine, only to inject faults a real engine cannot produce on demand: a hung
 upstream, a 400 or 500 on demand (or a 400 that comes late), a 500 in the middle of a stream, a
-slow first byte, a stream whose first chunk comes late, a stream that never ends. The happy
+slow first byte, a stream whose first chunk comes late, a stream that never ends, one whose
+chunked end comes a while after its [DONE]. The happy
 paths run against real engines (tests/e2e/test_proxy.py)."""
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def fake_engine(model: str = "tiny", behavior: str = "ok") -> FastAPI:
                     raise RuntimeError("engine failed mid-stream")
                 yield f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
             yield b"data: [DONE]\n\n"
+            if behavior == "slow-end":  # the chunked end a while after [DONE]
+                await asyncio.sleep(0.1)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

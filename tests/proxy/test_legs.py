@@ -89,3 +89,93 @@ def test_a_stream_that_fails_mid_answer_raises_a_leg_error_from_its_reads():
                 await pool.stop()
 
         asyncio.run(go())
+
+
+def test_a_complete_streams_connection_is_reused_for_the_next_leg():
+    """After release (the answer complete, its chunked end not yet in), the end is read and
+    the connection goes back to the pool: the next decode leg opens none."""
+    slow_end = fake_engine("tiny", "slow-end")
+    with run_server(fake_engine("tiny")) as p_url, run_server(slow_end) as d_url:
+
+        async def go():
+            pool, legs = legs_for(
+                EngineInfo(p_url, "prefill", "p0"), EngineInfo(d_url, "decode", "d0")
+            )
+            await pool.start()
+            try:
+                decode = pool.states[1]
+                opened = decode.connections_opened
+                for _ in range(3):
+                    response = await legs.decode(decode, False, STREAM, {})
+                    chunks = response.content.iter_any()
+                    while not (await chunks.__anext__()).endswith(b"[DONE]\n\n"):
+                        pass
+                    response.release()  # as the relay does at [DONE]
+                    for _ in range(100):  # its end is read in the background
+                        if not legs._background:
+                            break
+                        await asyncio.sleep(0.01)
+                assert decode.connections_opened - opened <= 1  # at most the first connect
+            finally:
+                await legs.close()
+                await pool.stop()
+
+        asyncio.run(go())
+
+
+class EndlessBody:
+    """A response whose chunked end never comes (a fault no engine makes on demand)."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.content = self
+        self.closed = self.released = False
+
+    async def read(self) -> bytes:
+        await asyncio.Event().wait()
+        return b""
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_a_complete_stream_whose_end_never_comes_is_closed_not_reused(monkeypatch):
+    """A reused connection could carry the rest into the next request's answer."""
+    from kvpush.proxy import app
+
+    monkeypatch.setattr(app, "REUSE_WAIT_S", 0.05)
+    engine = EngineState(EngineInfo("http://d0", "decode", "d0"))
+
+    async def go():
+        pool, legs = legs_for(EngineInfo("http://p0", "prefill", "p0"), engine.info)
+        body = EndlessBody()
+        app.HttpDecodeResponse(body, engine, legs).release()  # type: ignore[arg-type]
+        for _ in range(100):
+            if body.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert body.closed and not body.released
+
+    asyncio.run(go())
+
+
+def test_close_ends_the_reads_of_streams_ends_and_closes_their_responses():
+    """At shutdown a complete stream's end may still be unread: `close` ends the read and
+    closes the response, not leaving it to the garbage collector with its connection open."""
+    from kvpush.proxy import app
+
+    engine = EngineState(EngineInfo("http://d0", "decode", "d0"))
+
+    async def go():
+        pool, legs = legs_for(EngineInfo("http://p0", "prefill", "p0"), engine.info)
+        body = EndlessBody()
+        app.HttpDecodeResponse(body, engine, legs).release()  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)
+        assert not body.closed and not body.released
+        await legs.close()
+        assert body.closed and not body.released and not legs._background
+
+    asyncio.run(go())
