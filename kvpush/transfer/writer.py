@@ -516,18 +516,24 @@ class PrefillEndpoint(Endpoint):
         self._send(link, wire.HelloAckMsg(self.peer_info, self.layout, error))
 
     def _apply(self, actions: list[Action]) -> None:
+        releases = []
         for action in actions:
             if isinstance(action, Write):
                 self._post(action)
             elif isinstance(action, Reply):
                 self._reply(action)
             elif isinstance(action, Release):
-                self._release(action)
+                releases.append(action)
         # every matcher event comes through here: a key that ended (written, failed,
-        # cancelled, aborted, its peer dead) holds nothing made ready for it any longer
+        # cancelled, aborted, its peer dead) holds nothing made ready for it any longer.
+        # Dropped before the releases: a release reads the gauges its caller sees with the
+        # push's future, and the engine may step no more after that (a `layered` of 1 left
+        # on an idle engine's /metrics otherwise)
         for key in [k for k in self._hints if self._matcher.ended(k)]:
             self._drop_hint(key)
         self._drop_layered()
+        for release in releases:
+            self._release(release)
 
     def _reply(self, r: Reply) -> None:
         assert self.channel is not None
