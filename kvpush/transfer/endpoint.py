@@ -27,6 +27,8 @@ from kvpush.transfer.staging import SLOT_ALIGN, Copier, StagingArea, resolve_sta
 
 log = logging.getLogger(__name__)
 
+AgentFactory = Callable[[str, tuple[str, ...]], Agent]
+
 
 # How long the loop may sleep between polls of NIXL. With nothing pending it blocks until
 # a message or a command arrives (or the next record expiry), at zero CPU.
@@ -124,9 +126,14 @@ class _Command:
 class Endpoint:
     role = "endpoint"
 
-    def __init__(self, config: TransferConfig, layout: KVLayout) -> None:
+    def __init__(
+        self, config: TransferConfig, layout: KVLayout, agent_factory: AgentFactory = Agent
+    ) -> None:
+        """`agent_factory(name, backends)` makes the transport: NIXL's (agent.Agent) in
+        every engine; tests may hand in another with the same methods (an in-memory one)."""
         self.config = config
         self.layout = layout
+        self._agent_factory = agent_factory
         self.instance_id = uuid.uuid4().hex
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._closing = False
@@ -188,7 +195,7 @@ class Endpoint:
             if self.layout.mem_type == "VRAM":
                 _use_cuda_device(self.layout.dev_id)
             agent_name = f"{cfg.engine_id}-{self.role}-{cfg.rank}-{self.instance_id[:8]}"
-            self.agent = Agent(agent_name, cfg.backends)
+            self.agent = self._agent_factory(agent_name, cfg.backends)
             self.agent.register(self.layout)
             self._start_staging()
         except Exception as e:

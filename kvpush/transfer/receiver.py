@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.transfer import wire
-from kvpush.transfer.endpoint import BUSY_POLL_MS, Endpoint, Outcome, resolved
+from kvpush.transfer.agent import Agent
+from kvpush.transfer.endpoint import (
+    BUSY_POLL_MS,
+    AgentFactory,
+    Endpoint,
+    Outcome,
+    TransferConfig,
+    resolved,
+)
 from kvpush.transfer.handshake import Link
-from kvpush.transfer.layout import digest, plan_regions, rank_heads, writer_heads
+from kvpush.transfer.layout import KVLayout, digest, plan_regions, rank_heads, writer_heads
 from kvpush.transfer.staging import slot_layout, slot_size
 from kvpush.transfer.wire import PrefillAddress
 
@@ -49,7 +57,9 @@ class _Expected:
 class DecodeEndpoint(Endpoint):
     role = "decode"
 
-    def __init__(self, config, layout) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, config: TransferConfig, layout: KVLayout, agent_factory: AgentFactory = Agent
+    ) -> None:
         self._expected: dict[wire.TransferKey, _Expected] = {}
         self._hello_sent: set[str] = set()
         # Keys that ended lately, bounded: a WRITE's notification may still arrive for one of
@@ -64,7 +74,7 @@ class DecodeEndpoint(Endpoint):
             "staged": 0,
             "staging_full": 0,
         }
-        super().__init__(config, layout)
+        super().__init__(config, layout, agent_factory)
 
     # -- API, any thread ----------------------------------------------------------------
     def expect(

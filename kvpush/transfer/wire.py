@@ -113,6 +113,22 @@ class HelloMsg(msgspec.Struct, tag="hello"):
     protocol_version: int = PROTOCOL_VERSION
 
 
+def refusal(hello: HelloMsg, compat: Compat, layout: KVLayout) -> str | None:
+    """Why prefill (with `compat` and `layout`) refuses decode's handshake; None: it does not."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        return (
+            f"protocol version mismatch: prefill={PROTOCOL_VERSION} decode={hello.protocol_version}"
+        )
+    if (diff := hello.compat.mismatch(compat)) is not None:
+        return f"incompatible prefill and decode: {diff}"
+    if hello.layout.shape_key() != layout.shape_key():
+        return (
+            f"KV layouts cannot be copied: prefill={layout_kind(layout)} "
+            f"decode={layout_kind(hello.layout)}"
+        )
+    return None
+
+
 class HelloAckMsg(msgspec.Struct, tag="hello_ack"):
     peer: PeerInfo
     layout: KVLayout | None = None
