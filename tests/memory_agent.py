@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -88,7 +87,8 @@ class MemoryAgent:
         if len(local_descs) != len(remote_descs):
             raise ValueError("descriptor lists differ in length")
         rows = []
-        for (la, ln, _), (ra, rn, _) in zip(local_descs.tolist(), remote_descs.tolist()):
+        pairs = zip(local_descs.tolist(), remote_descs.tolist(), strict=True)
+        for (la, ln, _), (ra, rn, _) in pairs:
             if ln != rn:
                 raise ValueError("descriptor lengths differ")
             if not self._inside(la, ln) or not peer._inside(ra, rn):

@@ -8,7 +8,6 @@ chosen by how much is pending (see `PollPolicy`), so an idle endpoint blocks at 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -55,11 +54,6 @@ class TransferConfig:
     debug_checksum: bool = False  # both sides hash every transferred token; DRAM only
     fast_poll_s: float = 0.0001  # poll step right after a WRITE is posted; 0: never faster
     fast_window_s: float = 0.005  # how long the fast step lasts after each post
-    # the loop thread's niceness, above its process's (Linux: per thread). Where the engine
-    # shares its cores, the thread then yields to the engine's own work: the API server's
-    # answer before the push's polling (issue 10, in the benchmark log:
-    # `git show 1df146f:docs/benchmarks.md`)
-    nice: int = 0
     # staging area for scattered pushes (staging.py), bytes per endpoint: None picks 1 GiB
     # where the KV is in VRAM and none on DRAM; 0 turns staging off
     staging_bytes: int | None = None
@@ -79,8 +73,6 @@ class TransferConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.fast_poll_s < BUSY_POLL_MS / 1000:
             raise ValueError(f"fast_poll_s must be in [0, {BUSY_POLL_MS} ms): {self.fast_poll_s}")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must be in [0, 19], got {self.nice}")
         if self.fast_window_s < 0:
             raise ValueError(f"fast_window_s must be >= 0, got {self.fast_window_s}")
         if self.staging_bytes is not None and 0 != self.staging_bytes < SLOT_ALIGN:
@@ -188,8 +180,6 @@ class Endpoint:
     # -- the loop thread ----------------------------------------------------------------
     def _main(self) -> None:
         cfg = self.config
-        if cfg.nice:
-            os.nice(cfg.nice)  # this thread only, on Linux
         try:
             self.channel = SideChannel(cfg.side_channel_host, cfg.side_channel_port)
             if self.layout.mem_type == "VRAM":

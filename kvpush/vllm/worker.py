@@ -14,7 +14,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from kvpush.transfer import wire
-from kvpush.transfer.endpoint import TransferConfig
+from kvpush.transfer.agent import Agent
+from kvpush.transfer.endpoint import AgentFactory, TransferConfig
 from kvpush.vllm import firsttoken
 from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
@@ -61,9 +62,12 @@ def timeline_phases(marks: dict[str, float]) -> dict[str, float]:
 
 
 class PushWorker:
-    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+    def __init__(
+        self, config: ConnectorConfig, vllm_config: Any, agent_factory: AgentFactory = Agent
+    ) -> None:
         self.config = config
         self.vllm_config = vllm_config
+        self._agent_factory = agent_factory  # the transport: NIXL's, or a test's in-memory one
         self.endpoint: Any = None
         self._futures: dict[str, Future] = {}  # req_id -> push, expect or cancel
         self._timeline: dict[str, tuple[str, dict[str, float]]] = {}  # req_id -> transfer_id,
@@ -91,13 +95,18 @@ class PushWorker:
             get_tensor_model_parallel_world_size,
         )
 
+        if self.config.gil_switch_interval_s is not None:  # process-wide: where measured
+            sys.setswitchinterval(self.config.gil_switch_interval_s)
+        self.attach(
+            kv_caches, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        )
+
+    def attach(self, kv_caches: dict[str, Any], rank: int, tp_size: int) -> None:
+        """Start this rank's endpoint over its KV caches (vLLM's per-layer tensors)."""
         from kvpush.transfer.receiver import DecodeEndpoint
         from kvpush.transfer.writer import PrefillEndpoint
 
         cfg, vcfg = self.config, self.vllm_config
-        if cfg.gil_switch_interval_s is not None:  # process-wide: only where it was measured
-            sys.setswitchinterval(cfg.gil_switch_interval_s)
-        rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         model = vcfg.model_config
         layout = layout_from_kv_caches(
             kv_caches, vcfg.cache_config.block_size, model.get_total_num_kv_heads(), rank, tp_size
@@ -125,12 +134,11 @@ class PushWorker:
             heartbeat_s=cfg.heartbeat_s,
             debug_checksum=cfg.debug_checksum,
             fast_poll_s=cfg.fast_poll_s,
-            nice=cfg.endpoint_nice,
             staging_bytes=None if cfg.staging_mib is None else cfg.staging_mib << 20,
             staging_min_descs=cfg.staging_min_descs,
         )
         cls = PrefillEndpoint if cfg.is_prefill else DecodeEndpoint
-        self.endpoint = cls(transfer, layout)
+        self.endpoint = cls(transfer, layout, self._agent_factory)
         if cfg.is_prefill and cfg.layerwise:
             self._layer_regions = layer_regions(kv_caches)
             if first.device.type == "cuda":

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from kvpush.transfer.wire import PrefillAddress
 from tests.transfer.conftest import SPEC, assert_idle, decode_config, free_port, prefill_config
 from tests.transfer.test_faults import sides
 from tests.transfer.test_push import push
+
+pytestmark = pytest.mark.nixl  # NIXL over UCX, a process per endpoint
 
 __all__ = ["sides"]  # the fixture, shared with test_faults
 CROSS = replace(SPEC, cross_layer=True, num_regions=8)

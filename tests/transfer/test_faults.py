@@ -26,6 +26,8 @@ from tests.transfer.conftest import (
 )
 from tests.transfer.reference import expected_after_push, padded_end
 
+pytestmark = pytest.mark.nixl  # NIXL over UCX, a process per endpoint
+
 
 def new_key() -> TransferKey:
     return TransferKey(uuid.uuid4().hex)

@@ -37,6 +37,7 @@ def _has_cuda() -> bool:
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.nixl,
     pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (PyTorch sees none here)"),
 ]
 __all__ = ["sides"]  # the fixture, shared with test_faults

@@ -25,6 +25,8 @@ from tests.transfer.conftest import (
 )
 from tests.transfer.test_push import assert_landed, new_key
 
+pytestmark = pytest.mark.nixl  # NIXL over UCX, a process per endpoint
+
 LAYERS = spec(num_regions=4)
 
 

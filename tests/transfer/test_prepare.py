@@ -12,6 +12,8 @@ import pytest
 from tests.transfer.conftest import assert_idle, give_up, wait_for
 from tests.transfer.test_push import assert_landed, new_key
 
+pytestmark = pytest.mark.nixl  # NIXL over UCX, a process per endpoint
+
 
 def _ready_ahead(prefill) -> int:
     return prefill.call("counters")["ready_ahead"]

@@ -26,6 +26,8 @@ from tests.transfer.conftest import (
 from tests.transfer.test_faults import check_block_sizes, sides, tp1_to_tp2, tp2_to_tp1
 from tests.transfer.test_push import new_key, push
 
+pytestmark = pytest.mark.nixl  # NIXL over UCX, a process per endpoint
+
 __all__ = ["sides"]  # the fixture, shared with test_faults
 STAGED = {"staging_bytes": 1 << 20, "staging_min_descs": 1}  # every push with 1+ runs
 
