@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="FILE|URL[,key=value...]",
         help="kvpush prefill: also serve clients as a front end (the proxy's push dispatch in "
-        "this engine's API server; docs/architecture.md), sending decode legs to this engine: "
+        "this engine's API server; docs/design/proxy.md), sending decode legs to this engine: "
         "a description JSON from `kvpush serve --describe-to`, or as `kvpush proxy --decode` "
         "takes it (repeatable)",
     )
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--front-end",
         action="store_true",
         help="kvpush: each prefill engine also takes clients' requests itself, no proxy between "
-        "(docs/architecture.md, 'The front end'); the proxy still runs",
+        "(docs/design/proxy.md, 'The front end'); the proxy still runs",
     )
     connector_extra_flag(up)
     engine_flags(up)

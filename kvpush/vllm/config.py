@@ -14,7 +14,6 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 CPU_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
 DEFAULT_FAST_POLL_S = 0.0001  # see ConnectorConfig.fast_poll_s
 DEFAULT_IDLE_WAIT_S = 0.002  # see ConnectorConfig.idle_wait_s
-DEFAULT_ENDPOINT_NICE = 0  # see ConnectorConfig.endpoint_nice
 
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -33,7 +32,6 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     debug_checksum: bool = False
     gil_switch_interval_s: Seconds | None = None
     fast_poll_s: Annotated[float, msgspec.Meta(ge=0, lt=0.001)] = DEFAULT_FAST_POLL_S
-    endpoint_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = DEFAULT_ENDPOINT_NICE
     early_source: bool | Literal["auto"] = True
     prepare_ahead: bool | Literal["auto"] = "auto"
     layerwise: bool | Literal["auto"] = "auto"
@@ -63,9 +61,6 @@ class ConnectorConfig:
     # the endpoint loop's poll step for a few ms after each WRITE is posted (prefill) or
     # announced (decode); 0 keeps the 1 ms busy step (transfer.endpoint.TransferConfig)
     fast_poll_s: float = DEFAULT_FAST_POLL_S
-    # the endpoint thread's niceness above the worker's (Linux, per thread): on cores it
-    # shares with the engine, it yields to the engine core and API server
-    endpoint_nice: int = DEFAULT_ENDPOINT_NICE
     # prefill: the scheduler sends SOURCE to its own ranks when vLLM finishes a request,
     # so the push starts without waiting for the next engine step (kvpush.vllm.scheduler).
     # On by default everywhere since 2026-12-05: on one-core engines it no longer delays the
@@ -79,13 +74,13 @@ class ConnectorConfig:
     # "auto" (the default): on where the engine runs on a GPU. vLLM hands a step's connector
     # metadata to the workers after the forward is launched; on a GPU that is while the
     # kernels run, on CPU the forward is synchronous, so the WRITE would be made ready only
-    # after the compute, holding the worker's main thread (docs/architecture.md, "Made ready
+    # after the compute, holding the worker's main thread (docs/design/transfer.md, "Made ready
     # ahead")
     prepare_ahead: bool = True
     # prefill: a request whose last prompt tokens this step computes is written to each
     # registered decode rank layer by layer, each layer's WRITE posted as soon as vLLM's
     # forward has computed it (save_kv_layer), so that the push itself writes only the last
-    # layer (PrefillEndpoint.computed; docs/architecture.md, "Layer by layer"). "auto" (the
+    # layer (PrefillEndpoint.computed; docs/design/transfer.md, "Layer by layer"). "auto" (the
     # default): on where the engine runs on a GPU
     layerwise: bool = True
     # a step that schedules no tokens, while this worker has a transfer in flight: the

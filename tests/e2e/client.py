@@ -207,7 +207,7 @@ def wait_idle(*urls: str, timeout_s: float, step_stale: bool = False) -> float:
     """KV-cache usage exactly 0.0 and every kvpush gauge 0 on each engine.
 
     Gauges move only with an engine step, and one change can land on an idle engine (a
-    registration for a request prefill never saw, ended by its lease: docs/architecture.md,
+    registration for a request prefill never saw, ended by its lease: docs/design/transfer.md,
     Gauges). With `step_stale`, for a test that only needs to start from idle engines, an
     engine whose gauges stay up once its KV usage is 0 gets a 1-token request, one step;
     a gauge still up after that is held for real."""

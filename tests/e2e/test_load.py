@@ -156,7 +156,7 @@ def test_cpu_is_idle_within_1s_of_the_last_transfer_and_its_cost_while_a_lease_r
     blocks nobody registered for (a lease), vLLM keeps its engine loop stepping; with vLLM's
     in-process executor (kvpush's default on CPU) those empty steps wait on the transfer
     instead of spinning, and the engine stays under half a core (0.99 core with vLLM's
-    multiprocess executor, whose worker and engine core spin; docs/architecture.md, "Idle
+    multiprocess executor, whose worker and engine core spin; docs/design/connector.md, "Idle
     cost"). Printed: the benchmark log quoted them ("CPU while idle",
     `git show 1df146f:docs/benchmarks.md`)."""
     import json

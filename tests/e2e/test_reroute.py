@@ -76,7 +76,7 @@ def freeze_once_prefilling(victim, done: float, timeout_s: float = 30) -> None:
     """SIGSTOP `victim` once it is running one of the requests and has answered none (`done`:
     its finished requests before). A stopped engine answers nothing more, so no request is
     killed between prefill's answer and its KV's WRITE: decode would fail that one, after
-    the client had prefill's first token (docs/architecture.md, the proxy's re-sends)."""
+    the client had prefill's first token (docs/design/proxy.md, the proxy's re-sends)."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = metric_samples(victim.spec.url)

@@ -82,11 +82,9 @@ def test_fast_poll_defaults_turns_off_with_0_and_refuses_the_busy_step_or_more()
         ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0.001}))
 
 
-def test_endpoint_nice_defaults_to_0_and_takes_0_to_19():
-    assert ConnectorConfig.from_vllm(vllm_config()).endpoint_nice == 0
-    assert ConnectorConfig.from_vllm(vllm_config(extra={"endpoint_nice": 10})).endpoint_nice == 10
-    with pytest.raises(ValueError, match="extra_config.endpoint_nice: expected `int` <= 19"):
-        ConnectorConfig.from_vllm(vllm_config(extra={"endpoint_nice": 20}))
+def test_the_removed_endpoint_nice_is_refused_by_name_with_the_known_settings():
+    with pytest.raises(ValueError, match="unknown field `endpoint_nice` .known: backends"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"endpoint_nice": 10}))
 
 
 def test_staging_defaults_to_the_memory_kind_and_refuses_negative_sizes():
