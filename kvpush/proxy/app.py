@@ -34,6 +34,7 @@ from kvpush.proxy.dispatch import (
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import Trace
 from kvpush.transfer.router import Abandoner
 
@@ -254,7 +255,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         if answer.body is not None:
             return web.Response(body=answer.body, headers=_JSON | echo)
         with contextlib.suppress(ConnectionResetError):  # the client left mid-stream
-            await dispatcher.relay(answer, start, response.write)
+            await relay(answer, start, response.write)
             await response.write_eof()
         return response
 

@@ -50,6 +50,7 @@ from kvpush.proxy.dispatch import Dispatcher, PrefillLost, error_text, route, ss
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import Trace
 from kvpush.transfer.router import Abandoner
 
@@ -241,7 +242,7 @@ class FrontEnd:
             await respond(send, 200, answer.body, echo)
             return
         with contextlib.suppress(OSError, ClientGone):  # the client left mid-stream
-            await _until_disconnect(receive, self.dispatcher.relay(answer, start, write))
+            await _until_disconnect(receive, relay(answer, start, write))
             await end()
 
     async def _own_route(self, path: str, send: Send) -> None:

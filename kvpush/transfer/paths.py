@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,19 @@ class Transfer:
             and self.layered is None
             and not self.flights
         )
+
+
+def record_gauges(records: Iterable[Transfer]) -> dict[str, int]:
+    """Prefill's gauges that count what its transfers' records hold."""
+    recs = list(records)
+    return {
+        "in_flight": sum(len(r.flights) for r in recs),
+        "held_sources": sum(r.holding for r in recs),
+        "unclaimed_sources": sum(r.unclaimed_s is not None for r in recs),
+        "prepared": sum(r.hint is not None for r in recs),
+        "layered": sum(r.layered is not None for r in recs),
+        "layer_writes_in_flight": sum(r.layered.in_flight() for r in recs if r.layered),
+    }
 
 
 def _block_runs(block_ids: list[int], block_size: int, start: int, end: int) -> int:

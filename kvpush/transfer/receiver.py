@@ -39,6 +39,9 @@ _MAX_ENDED = 10_000
 
 @dataclass
 class _Expected:
+    """Everything decode holds for one transfer, from expect() until no prefill rank can
+    write into its blocks any more (`DecodeEndpoint._end`, the one place it ends)."""
+
     future: Future
     num_blocks: int
     started_s: float
@@ -74,6 +77,7 @@ class DecodeEndpoint(Endpoint):
             "staged": 0,
             "staging_full": 0,
         }
+        self.landing = Landing(self)
         super().__init__(config, layout, agent_factory)
 
     # -- API, any thread ----------------------------------------------------------------
@@ -130,7 +134,7 @@ class DecodeEndpoint(Endpoint):
         exp.marks["expected"] = exp.started_s
         for p_rank, heads in plan.items():
             address = prefill.rank_address(p_rank)
-            slot, size = self._reserve_slot(heads, num_cached, num_tokens)
+            slot, size = self.landing.reserve_slot(heads, num_cached, num_tokens)
             if slot:
                 exp.slots.append(slot)
             reg = wire.RegisterMsg(
@@ -151,20 +155,6 @@ class DecodeEndpoint(Endpoint):
         for address in list(exp.unsent):
             self._flush(address)
         return exp.future
-
-    def _reserve_slot(self, heads: range, num_cached: int, num_tokens: int) -> tuple[int, int]:
-        """A staging slot for one registration's tokens and heads: (address, size), or
-        (0, 0) when staging is off, there is nothing to write, or no slot is free (prefill
-        then writes the blocks directly)."""
-        if self.staging is None or num_cached >= num_tokens:
-            return 0, 0
-        size = slot_size(self.layout, heads, num_cached, num_tokens)
-        addr = self.staging.reserve(size)
-        if addr is None:
-            self.counters["staging_full"] += 1
-            self._fell_back("staged", "full")
-            return 0, 0
-        return addr, size
 
     def _flush(self, address: str) -> None:
         """Send the registrations queued for a prefill rank, handshaking first if needed."""
@@ -273,51 +263,7 @@ class DecodeEndpoint(Endpoint):
                     # them, and there is nothing to check
                     self._complete(written.key, address, None)
                     continue
-                failure = self._scatter(exp, written) if written.staged_end else None
-                self._complete(written.key, address, failure or self._verify(exp, written))
-
-    def _scatter(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
-        """A staged WRITE landed in this registration's slot: copy it into the blocks, and
-        return only once that copy is complete (None), so that vLLM reads whole KV."""
-        exp.marks.setdefault("landed", time.monotonic())
-        reg = exp.registrations[written.prefill_rank]
-        try:
-            if not reg.staging_addr or self.copier is None:
-                raise ValueError("prefill staged a WRITE for a registration without a slot")
-            heads = range(*reg.heads)
-            start = reg.num_cached_tokens
-            stage, ids = slot_layout(reg.staging_addr, self.layout, heads, start, reg.num_tokens)
-            plan = plan_regions(
-                stage, self.layout, ids, reg.block_ids, start, written.staged_end, heads
-            )
-            self.copier.run(plan)
-        except Exception as e:
-            return wire.Failure("write", f"scatter from the staging slot failed: {e}")
-        self.counters["staged"] += 1
-        return None
-
-    def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
-        """debug_checksum: compare what landed with what prefill hashed; None when equal."""
-        if not self.config.debug_checksum:
-            return None
-        reg = exp.registrations[written.prefill_rank]
-        landed = digest(
-            self.layout, reg.block_ids, reg.num_cached_tokens, reg.num_tokens, range(*reg.heads)
-        )
-        if landed == written.digest:
-            self.counters["checksums_ok"] += 1
-            log.info(
-                "decode: checksum ok for %s from prefill rank %d", written.key, written.prefill_rank
-            )
-            return None
-        self.counters["checksum_mismatches"] += 1
-        log.error(
-            "decode: checksum mismatch for %s from prefill rank %d",
-            written.key,
-            written.prefill_rank,
-        )
-        why = f"checksum mismatch for data from prefill rank {written.prefill_rank}"
-        return wire.Failure("checksum", why)
+                self._complete(written.key, address, self.landing.land(exp, written))
 
     def _complete(self, key: wire.TransferKey, address: str, failure: wire.Failure | None) -> None:
         """One prefill rank is done with `key`: written, acknowledged or failed."""
@@ -411,3 +357,71 @@ class DecodeEndpoint(Endpoint):
         for key, exp in list(self._expected.items()):
             exp.remaining.clear()
             self._end(key, exp, wire.Failure("other", "decode endpoint closed"))
+
+
+class Landing:
+    """What becomes of a WRITE once it has landed: a staged one is scattered from its slot
+    into the blocks (staging.py), and with `debug_checksum` what landed is checked against
+    prefill's hash. Also reserves each registration's staging slot."""
+
+    def __init__(self, ep: DecodeEndpoint) -> None:
+        self.ep = ep
+
+    def reserve_slot(self, heads: range, num_cached: int, num_tokens: int) -> tuple[int, int]:
+        """A staging slot for one registration's tokens and heads: (address, size), or
+        (0, 0) when staging is off, there is nothing to write, or no slot is free (prefill
+        then writes the blocks directly)."""
+        ep = self.ep
+        if ep.staging is None or num_cached >= num_tokens:
+            return 0, 0
+        size = slot_size(ep.layout, heads, num_cached, num_tokens)
+        addr = ep.staging.reserve(size)
+        if addr is None:
+            ep.counters["staging_full"] += 1
+            ep._fell_back("staged", "full")
+            return 0, 0
+        return addr, size
+
+    def land(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
+        """A WRITE's notification came: None when its data is whole in the blocks."""
+        failure = self._scatter(exp, written) if written.staged_end else None
+        return failure or self._verify(exp, written)
+
+    def _scatter(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
+        """A staged WRITE landed in this registration's slot: copy it into the blocks, and
+        return only once that copy is complete (None), so that vLLM reads whole KV."""
+        ep = self.ep
+        exp.marks.setdefault("landed", time.monotonic())
+        reg = exp.registrations[written.prefill_rank]
+        try:
+            if not reg.staging_addr or ep.copier is None:
+                raise ValueError("prefill staged a WRITE for a registration without a slot")
+            heads = range(*reg.heads)
+            start = reg.num_cached_tokens
+            stage, ids = slot_layout(reg.staging_addr, ep.layout, heads, start, reg.num_tokens)
+            plan = plan_regions(
+                stage, ep.layout, ids, reg.block_ids, start, written.staged_end, heads
+            )
+            ep.copier.run(plan)
+        except Exception as e:
+            return wire.Failure("write", f"scatter from the staging slot failed: {e}")
+        ep.counters["staged"] += 1
+        return None
+
+    def _verify(self, exp: _Expected, written: wire.WrittenMsg) -> wire.Failure | None:
+        """debug_checksum: compare what landed with what prefill hashed; None when equal."""
+        ep = self.ep
+        if not ep.config.debug_checksum:
+            return None
+        reg = exp.registrations[written.prefill_rank]
+        landed = digest(
+            ep.layout, reg.block_ids, reg.num_cached_tokens, reg.num_tokens, range(*reg.heads)
+        )
+        rank = written.prefill_rank
+        if landed == written.digest:
+            ep.counters["checksums_ok"] += 1
+            log.info("decode: checksum ok for %s from prefill rank %d", written.key, rank)
+            return None
+        ep.counters["checksum_mismatches"] += 1
+        log.error("decode: checksum mismatch for %s from prefill rank %d", written.key, rank)
+        return wire.Failure("checksum", f"checksum mismatch for data from prefill rank {rank}")

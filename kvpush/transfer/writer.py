@@ -40,6 +40,7 @@ from kvpush.transfer.paths import (
     ReadyAhead,
     Staged,
     Transfer,
+    record_gauges,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class PrefillEndpoint(Endpoint):
         self.ahead = ReadyAhead(self)
         self.layers = LayerByLayer(self)
         self.writes = Writes(self)
+        self.handshakes = Handshakes(self)
         # WRITEs gathered through a staging slot, and WRITEs sent direct because this rank's
         # staging area had no slot free or the gather failed; WRITEs posted as prepare()
         # made them ready; pushes written layer by layer, and their WRITEs posted before
@@ -173,7 +175,7 @@ class PrefillEndpoint(Endpoint):
         link = self._link_for(env)
         msg, peer = env.msg, env.reply_to
         if isinstance(msg, wire.HelloMsg):
-            self._on_hello(link, msg)
+            self.handshakes.hello(link, msg)
         elif isinstance(msg, wire.HeartbeatMsg):
             pass
         elif isinstance(msg, wire.CancelMsg):  # needs no handshake: it only frees
@@ -218,31 +220,6 @@ class PrefillEndpoint(Endpoint):
         log.debug("prefill: transfer %s abandoned by the router: %s", msg.key, msg.reason)
         abandoned = wire.Failure("abandoned", f"abandoned by the router: {msg.reason}")
         self._on_abort(msg.key, abandoned)
-
-    def _on_hello(self, link: Any, hello: wire.HelloMsg) -> None:
-        error = wire.refusal(hello, self.config.compat, self.layout)
-        if error is None:
-            old = self.peers.pop(link.address, None)
-            if old is not None:
-                for rec in self.transfers.values():  # made ready for the old agent
-                    self.ahead.forget(rec, link.address)
-                self.agent.remove_remote(old.agent_name)
-            # The same decode rank under a new address: the old one is stale.
-            for address, peer in list(self.peers.items()):
-                if (peer.engine_id, peer.rank) == (hello.peer.engine_id, hello.peer.rank):
-                    why = f"decode {peer.engine_id}/{peer.rank} restarted"
-                    self._peer_dead(address, wire.Failure("restarted", why))
-            try:
-                name = self.agent.add_remote(hello.agent_metadata)
-                self.peers[link.address] = DecodePeer(
-                    name, hello.layout, hello.peer.engine_id, hello.peer.rank
-                )
-                link.peer = hello.peer
-            except Exception as e:
-                error = f"cannot load decode agent metadata: {e}"
-        if error:
-            log.warning("prefill: refused handshake from %s: %s", link.address, error)
-        self._send(link, wire.HelloAckMsg(self.peer_info, self.layout, error))
 
     def apply(self, actions: list[Action]) -> None:
         """Carry out the matcher's actions. The releases go last, after every ended key's
@@ -314,15 +291,7 @@ class PrefillEndpoint(Endpoint):
             self._settle_all()
 
     def _peer_dead(self, address: str, failure: wire.Failure) -> None:
-        for rec in list(self.transfers.values()):
-            if address in rec.flights:
-                self.writes.drop(rec, address)
-            self.layers.drop_peer(rec, address)
-            self.ahead.forget(rec, address)
-        peer_state = self.peers.pop(address, None)
-        if peer_state is not None:
-            self.agent.remove_remote(peer_state.agent_name)
-        self.apply(self.matcher.peer_dead(address, failure))
+        self.handshakes.dead(address, failure)
 
     def _busy(self) -> bool:
         return self.layers.waiting or any(
@@ -358,16 +327,10 @@ class PrefillEndpoint(Endpoint):
         return self.matcher.peers_with_pending()
 
     def _read_gauges(self) -> dict[str, int]:
-        recs = self.transfers.values()
         return {
             "pending_match": self.matcher.num_pending_match,
             "registrations": self.matcher.num_registrations,
-            "in_flight": sum(len(r.flights) for r in recs),
-            "held_sources": sum(r.holding for r in recs),
-            "unclaimed_sources": sum(r.unclaimed_s is not None for r in recs),
-            "prepared": sum(r.hint is not None for r in recs),
-            "layered": sum(r.layered is not None for r in recs),
-            "layer_writes_in_flight": sum(r.layered.in_flight() for r in recs if r.layered),
+            **record_gauges(self.transfers.values()),
             "cancel_records": self.matcher.num_records,
             "peers": len(self.peers),
             "staging_held_bytes": self.staging.held_bytes if self.staging else 0,
@@ -479,3 +442,51 @@ class Writes:
         rec.mark("written", first=False)  # the last WRITE's completion
         failure = None if state == "DONE" else wire.Failure("write", f"NIXL WRITE ended {state}")
         self.ep.apply(self.ep.matcher.write_done(rec.key, peer, failure))
+
+
+class Handshakes:
+    """Decode ranks met: a HELLO accepted (or refused, saying why) makes a peer whose WRITEs
+    this rank may post; a peer restarted or dead takes down what was on its way to it."""
+
+    def __init__(self, ep: PrefillEndpoint) -> None:
+        self.ep = ep
+
+    def hello(self, link: Any, hello: wire.HelloMsg) -> None:
+        ep = self.ep
+        error = wire.refusal(hello, ep.config.compat, ep.layout)
+        if error is None:
+            old = ep.peers.pop(link.address, None)
+            if old is not None:
+                for rec in ep.transfers.values():  # made ready for the old agent
+                    ep.ahead.forget(rec, link.address)
+                ep.agent.remove_remote(old.agent_name)
+            # The same decode rank under a new address: the old one is stale.
+            for address, peer in list(ep.peers.items()):
+                if (peer.engine_id, peer.rank) == (hello.peer.engine_id, hello.peer.rank):
+                    why = f"decode {peer.engine_id}/{peer.rank} restarted"
+                    self.dead(address, wire.Failure("restarted", why))
+            try:
+                name = ep.agent.add_remote(hello.agent_metadata)
+                ep.peers[link.address] = DecodePeer(
+                    name, hello.layout, hello.peer.engine_id, hello.peer.rank
+                )
+                link.peer = hello.peer
+            except Exception as e:
+                error = f"cannot load decode agent metadata: {e}"
+        if error:
+            log.warning("prefill: refused handshake from %s: %s", link.address, error)
+        ep._send(link, wire.HelloAckMsg(ep.peer_info, ep.layout, error))
+
+    def dead(self, address: str, failure: wire.Failure) -> None:
+        """The peer at `address` died or restarted: its WRITEs, pieces and WRITEs made ready
+        are released, and the matcher fails or re-pairs what it owed."""
+        ep = self.ep
+        for rec in list(ep.transfers.values()):
+            if address in rec.flights:
+                ep.writes.drop(rec, address)
+            ep.layers.drop_peer(rec, address)
+            ep.ahead.forget(rec, address)
+        peer_state = ep.peers.pop(address, None)
+        if peer_state is not None:
+            ep.agent.remove_remote(peer_state.agent_name)
+        ep.apply(ep.matcher.peer_dead(address, failure))

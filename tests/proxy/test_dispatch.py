@@ -12,6 +12,7 @@ from kvpush.proxy.dispatch import Dispatcher, PrefillLost
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import PHASES, Trace
 
 
@@ -159,7 +160,7 @@ def test_push_sends_both_legs_before_prefill_answers_and_relays_decode():
         async def write(b: bytes) -> None:
             out.append(b)
 
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        await relay(answer, lambda: asyncio.sleep(0), write)
         assert out == [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
         await until(lambda: decode.released)  # once its stream has ended: reused
         assert not decode.closed and abandoner.abandoned == []
@@ -265,7 +266,7 @@ def test_a_client_that_leaves_mid_stream_closes_decode_and_abandons():
             raise ConnectionResetError("client gone")
 
         with pytest.raises(ConnectionResetError):
-            await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+            await relay(answer, lambda: asyncio.sleep(0), write)
         assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
         await until(lambda: idle(pool))
 
@@ -305,7 +306,7 @@ def test_the_timeline_is_ordered_and_its_phases_add_up_to_the_total():
         async def write(b: bytes) -> None:
             await asyncio.sleep(0.005)
 
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        await relay(answer, lambda: asyncio.sleep(0), write)
         return answer.trace
 
     trace = asyncio.run(go())
@@ -370,7 +371,7 @@ def test_kvpush_streams_prefills_token_first_then_decode_without_it():
         async def write(b: bytes) -> None:
             out.append(b)
 
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        await relay(answer, lambda: asyncio.sleep(0), write)
         text = b"".join(out)
         assert text.count(b'"text":"A"') == 1 and b'"text":"B"' in text
         assert text.endswith(b"data: [DONE]\n\n")
@@ -392,7 +393,7 @@ def test_kvpush_answer_ended_by_prefills_token_closes_decode_and_abandons():
         async def write(b: bytes) -> None:
             out.append(b)
 
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        await relay(answer, lambda: asyncio.sleep(0), write)
         assert b'"finish_reason":"stop"' in out[0] and out[0].endswith(b"data: [DONE]\n\n")
         assert legs.decodes[0].closed and len(abandoner.abandoned) == 1
         assert answer.trace.status == "ok"
@@ -414,7 +415,7 @@ def test_kvpush_decode_failure_after_prefills_token_ends_the_stream_with_an_erro
         async def write(b: bytes) -> None:
             out.append(b)
 
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        await relay(answer, lambda: asyncio.sleep(0), write)
         text = b"".join(out)
         assert text.startswith(answer.first) and b'"UpstreamError"' in text  # never silent
         assert text.endswith(b"data: [DONE]\n\n")
@@ -448,7 +449,7 @@ def test_without_the_capability_or_when_turned_off_the_first_token_is_decodes(wh
         async def write(b: bytes) -> None:
             out.append(b)
 
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), write)
+        await relay(answer, lambda: asyncio.sleep(0), write)
         assert b"".join(out).count(b'"text":"A"') == 1
         await until(lambda: idle(pool))
 
@@ -468,7 +469,7 @@ def test_close_ends_the_prefill_legs_that_outlive_their_handlers():
         decode.chunks.put_nowait(b"data: 1\n\n")
         answer = await task
         decode.chunks.put_nowait(b"data: [DONE]\n\n")
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        await relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
         prefill = legs.prefills[0]
         assert not prefill.done() and decode.released and not decode.closed
         await dispatcher.close()
@@ -496,7 +497,7 @@ def test_a_streamed_request_is_accepted_once_decode_has_and_before_prefills_answ
         answer = await task
         assert answer.skip is not None and accepted == [1]  # once
         legs.decodes[0].answer(decode_chunk("A"), b"data: [DONE]\n\n")
-        await dispatcher.relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        await relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
         await until(lambda: idle(pool))
 
         whole = STREAM | {"stream": False}
