@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
 from kvpush.vllm.params import validation_error
+
+if TYPE_CHECKING:  # vLLM's types, for the checker only
+    from vllm.config import VllmConfig
 
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
@@ -100,10 +103,12 @@ class ConnectorConfig:
     debug_faults: bool = False
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+    def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
         kv = vllm_config.kv_transfer_config
+        if kv is None:
+            raise ValueError("KVPushConnector needs --kv-transfer-config")
         roles = {"kv_producer": True, "kv_consumer": False}
-        if kv.kv_role not in roles:
+        if kv.kv_role is None or kv.kv_role not in roles:
             raise ValueError(
                 f"KVPushConnector needs kv_role 'kv_producer' (prefill) or 'kv_consumer' "
                 f"(decode), got {kv.kv_role!r}"
@@ -165,7 +170,7 @@ def read_extra(raw: dict) -> ExtraConfig:
         raise ValueError(message) from None
 
 
-def _on_gpu(vllm_config: Any) -> bool:
+def _on_gpu(vllm_config: VllmConfig) -> bool:
     """Whether the engine computes on an accelerator (its forward returns before the compute
     ends), not on the CPU."""
     return vllm_config.device_config.device_type != "cpu"

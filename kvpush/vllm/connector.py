@@ -8,7 +8,7 @@ concerned fails on its own, prefill is told at once, and no block stays held.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -23,11 +23,27 @@ from kvpush.vllm.scheduler import PushScheduler
 from kvpush.vllm.stats import KVPushPromMetrics, KVPushStats
 from kvpush.vllm.worker import PushWorker
 
+if TYPE_CHECKING:  # vLLM's types, for the checker only: nothing more is imported at run time
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger(__name__)
 
 
 class KVPushConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         logs.attach()
         config = ConnectorConfig.from_vllm(vllm_config)  # refuses unsupported set-ups
@@ -40,11 +56,11 @@ class KVPushConnector(KVConnectorBase_V1):
         self._worker = PushWorker(config, vllm_config) if role.name == "WORKER" else None
 
     # -- worker side ----------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)  # errors here stop start-up, with cause
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, PushMetadata)
@@ -53,7 +69,13 @@ class KVPushConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kw: Any,
+    ) -> None:
         """A layer is computed: prefill writes it to decode now (`layerwise`)."""
         worker = self._worker
         if worker is None or not worker.layerwise:
@@ -106,7 +128,7 @@ class KVPushConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: Any,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
@@ -122,11 +144,18 @@ class KVPushConnector(KVConnectorBase_V1):
     # -- scheduler side -------------------------------------------------------------------
     # Each hook's failure leaves a bounded state (docs/architecture.md, "When a connector hook
     # fails"): the request fails alone or goes on, prefill is told at once, nothing is held.
-    def _inject(self, hook: str, request: Any = None, output: Any = None) -> None:
+    def _inject(
+        self,
+        hook: str,
+        request: Request | None = None,
+        output: KVConnectorOutput | None = None,
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.inject(hook, request, output)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         try:
             self._inject("get_num_new_matched_tokens", request)
@@ -135,7 +164,9 @@ class KVPushConnector(KVConnectorBase_V1):
             log.exception("kvpush: request %s: matching failed", request.request_id)
             return self._scheduler.match_failed(request, num_computed_tokens, e)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         try:
             self._inject("update_state_after_alloc", request)
@@ -145,7 +176,7 @@ class KVPushConnector(KVConnectorBase_V1):
             if num_external_tokens > 0:  # claimed as a load: fail it, do not leave it waiting
                 self._scheduler.alloc_failed(request, e)
 
-    def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushMetadata:
         assert self._scheduler is not None
         try:
             self._inject("build_connector_meta")
@@ -155,7 +186,7 @@ class KVPushConnector(KVConnectorBase_V1):
             log.exception("kvpush: building this step's connector metadata failed")
             return PushMetadata()
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         try:
             self._inject("update_connector_output", output=connector_output)
@@ -164,7 +195,9 @@ class KVPushConnector(KVConnectorBase_V1):
             log.exception("kvpush: reading the workers' output failed; settling what finished")
             self._scheduler.settle_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]):
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         try:
             self._inject("request_finished", request)
@@ -177,7 +210,7 @@ class KVPushConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         kv = vllm_config.kv_transfer_config
         if kv is not None and kv.kv_buffer_device == "cuda":
             return "HND"  # head-major blocks: a TP head split is one descriptor per block

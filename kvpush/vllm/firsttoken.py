@@ -17,11 +17,14 @@ own), after that worker reported the load finished, so a plain dict carries the 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+if TYPE_CHECKING:  # vLLM's types, for the checker only
+    from vllm.config import ModelConfig, VllmConfig
 
 FQCN = "kvpush.vllm.firsttoken:FirstTokenProcessor"
 _MAX_TOKENS = 65_536  # tokens of loads whose request never sampled (aborted): the oldest go
@@ -40,7 +43,7 @@ def pending() -> int:
     return len(_tokens)
 
 
-def is_loaded(model_config: Any) -> bool:
+def is_loaded(model_config: ModelConfig) -> bool:
     """Whether vLLM was told to load FirstTokenProcessor (by name or as the class)."""
     return any(p in (FQCN, FirstTokenProcessor) for p in model_config.logits_processors or ())
 
@@ -48,7 +51,7 @@ def is_loaded(model_config: Any) -> bool:
 class FirstTokenProcessor(LogitsProcessor):
     """Forces prefill's first token for requests loaded by kvpush; a no-op for the rest."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         # batch index -> (transfer_id, the request's output token ids: vLLM's live list)
         self._waiting: dict[int, tuple[str, list[int]]] = {}
 

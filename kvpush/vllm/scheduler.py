@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
 
@@ -21,6 +21,13 @@ from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.params import ParamsError, parse
 
+if TYPE_CHECKING:  # vLLM's types, for the checker only
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 log = logging.getLogger(__name__)
 
 _FINISHED_OK = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -28,7 +35,7 @@ STEP_HOOKS = ("build_connector_meta", "update_connector_output")  # hooks withou
 WORKER_HOOKS = ("start_load_kv", "get_finished")  # raised in by the worker (PushWorker)
 
 
-def _params_or_none(request: Any):
+def _params_or_none(request: Request):
     """The request's params, or None when there are none or they do not parse."""
     try:
         return parse(request.kv_transfer_params)
@@ -37,7 +44,7 @@ def _params_or_none(request: Any):
 
 
 class PushScheduler:
-    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig) -> None:
         self.config = config
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._block_size = vllm_config.cache_config.block_size
@@ -53,7 +60,7 @@ class PushScheduler:
         self._announcer: SourceAnnouncer | None = None  # prefill, early_source: made lazily
 
     # -- decode ---------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         rid = request.request_id
         if self.config.is_prefill or rid in self._loading or rid in self._loaded:
             return 0, False
@@ -79,7 +86,9 @@ class PushScheduler:
         # the WRITE (kvpush.vllm.firsttoken).
         return need, True
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external: int
+    ) -> None:
         if self.config.is_prefill:
             self._prepare(request, blocks)
             return
@@ -106,19 +115,19 @@ class PushScheduler:
         self._loading[rid] = expect
 
     # -- both -----------------------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output: Any) -> m.PushMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None) -> m.PushMetadata:
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         meta = m.PushMetadata(self._actions, idle)
         self._actions = []
         return meta
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         stats = getattr(output, "kv_connector_stats", None)
         if stats is not None and isinstance(getattr(stats, "data", None), dict):
             self._settling = int(stats.data.get("settling", 0) or 0)
         self.settle_output(output)
 
-    def settle_output(self, output: Any) -> None:
+    def settle_output(self, output: KVConnectorOutput) -> None:
         """The requests the workers finished: all `update_connector_output` must not miss,
         also when reading the rest of the output failed."""
         for rid in getattr(output, "finished_recving", None) or ():
@@ -130,7 +139,7 @@ class PushScheduler:
         for rid in getattr(output, "finished_sending", None) or ():
             self._sending.discard(rid)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         if self.config.is_prefill:
             return self._prefill_finished(request, block_ids)
         rid = request.request_id
@@ -156,7 +165,9 @@ class PushScheduler:
         return True
 
     # -- when a hook raised (kvpush.vllm.connector) ----------------------------------------
-    def match_failed(self, request: Any, num_computed: int, error: Exception) -> tuple[int, bool]:
+    def match_failed(
+        self, request: Request, num_computed: int, error: Exception
+    ) -> tuple[int, bool]:
         """`get_num_new_matched_tokens` raised. A request that is no load computes as any
         other. A load fails as a load failure, and prefill is told to free its blocks now:
         computing it here instead would sample a first token of decode's own, while the
@@ -180,7 +191,7 @@ class PushScheduler:
             self._actions.append(m.Cancel(None, key, params.prefill))
         return request.num_prompt_tokens - num_computed, True
 
-    def alloc_failed(self, request: Any, error: Exception) -> None:
+    def alloc_failed(self, request: Request, error: Exception) -> None:
         """`update_state_after_alloc` raised after the request was claimed as a load: fail it
         as a load failure (its blocks are freed) instead of waiting for WRITEs that nothing
         asked for, and tell prefill."""
@@ -202,7 +213,7 @@ class PushScheduler:
             error,
         )
 
-    def finish_failed(self, request: Any, error: Exception) -> tuple[bool, dict | None]:
+    def finish_failed(self, request: Request, error: Exception) -> tuple[bool, dict | None]:
         """`request_finished` raised. Prefill: a push already queued keeps its blocks until
         it is written; else decode is told (Abort) and vLLM frees them. Decode: a pending
         load is cancelled, as for any request that ends while loading."""
@@ -220,7 +231,12 @@ class PushScheduler:
         self._abandon_load(rid)
         return False, None
 
-    def inject(self, hook: str, request: Any = None, output: Any = None) -> None:
+    def inject(
+        self,
+        hook: str,
+        request: Request | None = None,
+        output: KVConnectorOutput | None = None,
+    ) -> None:
         """debug_faults (tests only): raise in `hook` for a request whose kv_transfer_params
         name it as `kvpush_debug_fault`. The two step hooks, which see no request, raise
         once, in the first step after such a request was allocated (decode) or finished
@@ -241,7 +257,7 @@ class PushScheduler:
         if fault in STEP_HOOKS and hook == arm_at:
             self._step_faults.add(fault)
 
-    def _worker_fault(self, request: Any) -> str:
+    def _worker_fault(self, request: Request) -> str:
         """debug_faults (tests only): the worker hook named by the request's
         `kvpush_debug_fault`, which the worker then raises in for it; else ""."""
         params = request.kv_transfer_params if self.config.debug_faults else None
@@ -249,7 +265,7 @@ class PushScheduler:
         return fault if fault in WORKER_HOOKS else ""
 
     # -- prefill --------------------------------------------------------------------------
-    def _prefill_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def _prefill_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
         try:
             params = parse(request.kv_transfer_params)
@@ -294,7 +310,7 @@ class PushScheduler:
             "tp_size": self._tp_size,
         }
 
-    def _prepare(self, request: Any, blocks: Any) -> None:
+    def _prepare(self, request: Request, blocks: KVCacheBlocks) -> None:
         """A prefill leg scheduled with blocks for its whole prompt (this step computes its
         last prompt tokens): the workers make its WRITEs ready while the engine computes
         (`prepare_ahead`), and write each layer as it is computed (`layerwise`). A prompt

@@ -7,7 +7,7 @@ process, where `KVPushPromMetrics` exposes them as `kvpush:*` metrics.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -17,6 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvpush.transfer.wire import CAUSES, FALLBACK_CAUSES, FALLBACK_PATHS, fallback_key
+
+if TYPE_CHECKING:  # vLLM's types, for the checker only
+    from vllm.config import VllmConfig
 
 GAUGES = {
     "pending_match": "prefill: transfers waiting for their registration or their prefill",
@@ -125,7 +128,7 @@ class KVPushStats(KVConnectorStats):
 class KVPushPromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
-        vllm_config: Any,
+        vllm_config: VllmConfig,
         metric_types: Any,
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.transfer import wire
 from kvpush.transfer.agent import Agent
@@ -21,6 +21,10 @@ from kvpush.vllm import metadata as m
 from kvpush.vllm.config import ConnectorConfig
 from kvpush.vllm.kvlayout import layer_regions, layout_from_kv_caches
 from kvpush.vllm.stats import GAUGES, KVPushStats
+
+if TYPE_CHECKING:  # vLLM's types, for the checker only
+    import torch
+    from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ def timeline_phases(marks: dict[str, float]) -> dict[str, float]:
 
 class PushWorker:
     def __init__(
-        self, config: ConnectorConfig, vllm_config: Any, agent_factory: AgentFactory = Agent
+        self, config: ConnectorConfig, vllm_config: VllmConfig, agent_factory: AgentFactory = Agent
     ) -> None:
         self.config = config
         self.vllm_config = vllm_config
@@ -89,7 +93,7 @@ class PushWorker:
         self._layer_keys: list[wire.TransferKey] = []
         self._cuda_event: Any = None
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -101,7 +105,7 @@ class PushWorker:
             kv_caches, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         )
 
-    def attach(self, kv_caches: dict[str, Any], rank: int, tp_size: int) -> None:
+    def attach(self, kv_caches: dict[str, torch.Tensor], rank: int, tp_size: int) -> None:
         """Start this rank's endpoint over its KV caches (vLLM's per-layer tensors)."""
         from kvpush.transfer.receiver import DecodeEndpoint
         from kvpush.transfer.writer import PrefillEndpoint
