@@ -2,6 +2,7 @@
 and `kvpush bench proxy` (medians, ms):
 
     python benchmarks/scripts/results_tables.py benchmarks/results/transfer_cpu.json ...
+    python benchmarks/scripts/results_tables.py --fast-poll benchmarks/results/transfer_cpu.json ...
 
 Transfer: rows of the layer-outer layout only (the cross-layer rows are in the JSON). Columns:
 - push: from the hand-over to the WRITE's completion, as the prefill side sees it (on a GPU,
@@ -88,7 +89,71 @@ def transfer_table(data: dict) -> str:
     return f"{where}, {data['memory']}, {data['backend']}:\n\n" + "\n".join(lines)
 
 
+FAST_POLL_HEAD = ["where", "pushes", "faster at the 0.1 ms step", "median change ms",
+                  "least / most change ms"]  # fmt: skip
+
+
+def fast_poll_row(data: dict) -> str:
+    """`fast_poll_s`'s measurement: each push of a run (layer-outer rows) at the default
+    0.1 ms poll step against the same push through endpoints that keep the 1 ms busy step
+    (`push_1ms_step_ms`, same run); change = fast - 1 ms step, negative is faster."""
+    pairs = [(r["push_ms_median"], r["push_1ms_step_ms_median"]) for r in rows(data)]
+    changes = sorted(fast - slow for fast, slow in pairs)
+    mid = len(changes) // 2
+    median = changes[mid] if len(changes) % 2 else (changes[mid - 1] + changes[mid]) / 2
+    host = data["host"]
+    where = f"{host.get('gpu') or str(host['cpus']) + ' CPUs'}, {data['memory']}"
+    faster = sum(c < 0 for c in changes)
+    cells = [where, str(len(changes)), f"{faster} of {len(changes)}", f"{median:+.2f}",
+             f"{changes[0]:+.2f} / {changes[-1]:+.2f}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def fast_poll_table(datas: list[dict]) -> str:
+    lines = ["| " + " | ".join(FAST_POLL_HEAD) + " |", "|" + "---|" * len(FAST_POLL_HEAD)]
+    return "\n".join(lines + [fast_poll_row(d) for d in datas])
+
+
+def knobs_table(folder: str) -> str:
+    """The CPU-only settings against their absence (benchmarks/scripts/knobs_cpu.sh): per
+    variant and rate, TTFT and TPOT medians and the share within the SLO targets, each the
+    mean over the rounds (folders `<variant>_r<round>`)."""
+    import glob
+    import os
+
+    runs: dict[tuple[str, float], list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*_r*", "kvpush_*.json"))):
+        variant = os.path.basename(os.path.dirname(path)).rsplit("_r", 1)[0]
+        with open(path) as f:
+            data = json.load(f)
+        runs.setdefault((variant, data["qps"]), []).append(data)
+    order = {"default": 0, "idle_wait_0": 1, "gil_5ms": 2}
+    head = ["settings", "QPS", "rounds", "TTFT ms", "TPOT ms", "within the SLO"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, qps in sorted(runs, key=lambda k: (order.get(k[0], 9), k[1])):
+        got = runs[(variant, qps)]
+
+        def mean(key: str, got: list[dict] = got) -> float:
+            return sum(r[key] for r in got) / len(got)
+
+        share = 100 * mean("slo_attainment")
+        cells = [variant, f"{qps:g}", str(len(got)), f"{mean('median_ttft_ms'):.0f}",
+                 f"{mean('median_tpot_ms'):.2f}", f"{share:.0f} %"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--knobs"]:
+        print(knobs_table(sys.argv[2]))
+        sys.exit()
+    if sys.argv[1:2] == ["--fast-poll"]:
+        datas = []
+        for path in sys.argv[2:]:
+            with open(path) as f:
+                datas.append(json.load(f))
+        print(fast_poll_table(datas))
+        sys.exit()
     for path in sys.argv[1:]:
         with open(path) as f:
             print(table(json.load(f)) + "\n")

@@ -16,7 +16,7 @@ DEFAULT_SIDE_CHANNEL_PORT = 5600  # prefill rank r listens on this + r
 
 CPU_GIL_SWITCH_INTERVAL_S = 0.0002  # see ConnectorConfig.gil_switch_interval_s
 DEFAULT_FAST_POLL_S = 0.0001  # see ConnectorConfig.fast_poll_s
-DEFAULT_IDLE_WAIT_S = 0.002  # see ConnectorConfig.idle_wait_s
+CPU_IDLE_WAIT_S = 0.002  # see ConnectorConfig.idle_wait_s
 
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -38,7 +38,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True):
     early_source: bool | Literal["auto"] = True
     prepare_ahead: bool | Literal["auto"] = "auto"
     layerwise: bool | Literal["auto"] = "auto"
-    idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = DEFAULT_IDLE_WAIT_S
+    idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] | None = None
     staging_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
     staging_min_descs: Annotated[int, msgspec.Meta(ge=1)] = 512
     debug_faults: bool = False
@@ -90,8 +90,10 @@ class ConnectorConfig:
     # worker waits (in wait_for_save) until one completes, at most this long, instead of
     # returning at once to an engine loop that would step again at once; 0: no wait.
     # A request that arrives meanwhile waits at most this long (docs/architecture.md,
-    # "Idle steps")
-    idle_wait_s: float = DEFAULT_IDLE_WAIT_S
+    # "Idle steps"). Unset: 2 ms where the engine computes on the CPU (its cores shared with
+    # the transfer's thread), where it was measured (docs/benchmarks.md, "The knobs kept"),
+    # and 0 on a GPU, where it never was
+    idle_wait_s: float = 0.0
     # staging area per worker for scattered pushes (kvpush.transfer.staging), in MiB: None
     # is 1024 where the KV cache is in VRAM (outside vLLM's gpu_memory_utilization budget)
     # and none on DRAM; 0 turns staging off. A push is staged when its copy plan would post
@@ -155,6 +157,8 @@ class ConnectorConfig:
         }
         if extra.gil_switch_interval_s is None and not _on_gpu(vllm_config):
             fields["gil_switch_interval_s"] = CPU_GIL_SWITCH_INTERVAL_S
+        if extra.idle_wait_s is None:
+            fields["idle_wait_s"] = 0.0 if _on_gpu(vllm_config) else CPU_IDLE_WAIT_S
         return cls(engine_id=kv.engine_id, is_prefill=is_prefill, **fields)
 
 

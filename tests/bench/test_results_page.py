@@ -57,3 +57,16 @@ def test_the_pages_transfer_proxy_and_layer_tables_come_from_the_committed_json(
     assert len(rows) >= 3
     missing = [line for line in rows if line not in PAGE.read_text()]
     assert not missing, f"rows of {name}'s table not on the page: {missing}"
+
+
+def test_the_pages_fast_poll_table_comes_from_the_committed_transfer_runs():
+    import json
+    import runpy
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
+    runs = ("transfer_cpu.json", "gpu/transfer_h200_run10.json", "gpu/transfer_h100_run12.json")
+    datas = [json.loads((RESULTS / name).read_text()) for name in runs]
+    rows = [line for line in script["fast_poll_table"](datas).splitlines()]
+    assert len(rows) == 5
+    missing = [line for line in rows if line not in PAGE.read_text()]
+    assert not missing, f"rows of the fast_poll_s table not on the page: {missing}"

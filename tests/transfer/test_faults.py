@@ -200,7 +200,7 @@ def test_a_wrong_prefill_engine_id_fails_each_transfer_that_names_it(sides):
             assert prefill.wait(prefill.call("push", key, [1, 2], 32), timeout_s=5).ok
             assert decode.wait(fd, timeout_s=5).ok
             continue
-        out = decode.wait(fd, timeout_s=1)  # at once, not at prefill's lease (3 s)
+        out = decode.wait(fd, timeout_s=1)  # at once, not at prefill's lease (1.5 s)
         assert (out.ok, out.cause) == (False, "handshake"), out
         assert "the router named 'other', it is 'prefill-a'" in out.reason, out.reason
     assert_idle(prefill, decode)

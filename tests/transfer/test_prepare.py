@@ -87,7 +87,7 @@ def test_a_prepare_whose_push_never_comes_is_dropped_after_the_lease(pair):
     prefill, decode, _ = pair
     prefill.wait(prefill.call("prepare", new_key(), [1, 2], 32))  # nobody registers either
     assert prefill.call("gauges")["prepared"] == 1
-    wait_for(lambda: prefill.call("gauges")["prepared"] == 0, 5, "prepare dropped (lease 3 s)")
+    wait_for(lambda: prefill.call("gauges")["prepared"] == 0, 5, "prepare dropped (lease 1.5 s)")
     assert_idle(prefill, decode)
 
 

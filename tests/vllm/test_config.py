@@ -75,6 +75,17 @@ def test_gil_switch_interval_defaults_and_refuses_a_bad_value():
         ConnectorConfig.from_vllm(vllm_config(extra={"gil_switch_interval_s": 0}))
 
 
+def test_idle_wait_defaults_to_2_ms_on_cpu_engines_only_and_takes_a_setting_anywhere():
+    assert ConnectorConfig.from_vllm(vllm_config()).idle_wait_s == 0  # GPU: never measured
+    assert ConnectorConfig.from_vllm(vllm_config(device="cpu")).idle_wait_s == 0.002
+    cfg = ConnectorConfig.from_vllm(vllm_config(extra={"idle_wait_s": 0.004}))
+    assert cfg.idle_wait_s == 0.004
+    off = ConnectorConfig.from_vllm(vllm_config(device="cpu", extra={"idle_wait_s": 0}))
+    assert off.idle_wait_s == 0
+    with pytest.raises(ValueError, match="extra_config.idle_wait_s: expected `float` <= 0.05"):
+        ConnectorConfig.from_vllm(vllm_config(extra={"idle_wait_s": 0.1}))
+
+
 def test_fast_poll_defaults_turns_off_with_0_and_refuses_the_busy_step_or_more():
     assert ConnectorConfig.from_vllm(vllm_config()).fast_poll_s == 0.0001
     assert ConnectorConfig.from_vllm(vllm_config(extra={"fast_poll_s": 0})).fast_poll_s == 0
