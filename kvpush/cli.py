@@ -103,6 +103,7 @@ def _up(args: argparse.Namespace) -> int:
         pin_cores=args.pin_cores,
         in_process=args.in_process_executor,
         first_token=args.first_token,
+        disaggregation=args.disaggregation,
         front_end=args.front_end,
         connector_extra=args.connector_extra,
     )
@@ -391,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="first_token",
         action="store_false",
         help="kvpush: the client's first token from decode's stream, not prefill's answer",
+    )
+    up.add_argument(
+        "--disaggregation",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="kvpush: per request, the prompt pushed from a prefill engine or computed on the "
+        "decode engine, whichever is expected faster (auto); always pushed; never "
+        "(docs/design/proxy.md, 'Conditional disaggregation')",
     )
     up.add_argument(
         "--front-end",

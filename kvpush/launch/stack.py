@@ -196,6 +196,7 @@ def up(
     pin_cores: bool = True,
     in_process: bool | None = None,
     first_token: bool = True,
+    disaggregation: str = "auto",
     front_end: bool = False,
     connector_extra: dict | None = None,
 ) -> int:
@@ -223,7 +224,9 @@ def up(
         f"kvpush up: {num_prefill} prefill + {num_decode} decode ({connector}), logs in {log_dir}",
         flush=True,
     )
-    proxy_args = () if first_token else ("--no-first-token",)
+    proxy_args: tuple[str, ...] = () if first_token else ("--no-first-token",)
+    if connector == "kvpush":
+        proxy_args += ("--disaggregation", disaggregation)
     stack = Stack(specs, connector, proxy_port, log_dir, proxy_args=proxy_args, front_end=front_end)
     stack.start()
     print(

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from kvpush.proxy.config import POLICIES, EngineInfo, ProxyConfig, load_engines, load_file
+from kvpush.proxy.paths import DISAGGREGATION
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kvpush: the client's first token comes from decode's stream, not prefill's "
         "answer (default: from prefill, where the decode engine declares forces_first_token)",
     )
+    p.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION,
+        default=None,
+        help="kvpush: per request, push the prompt from a prefill engine or compute it on the "
+        "decode engine, whichever is expected faster from measured costs (auto); push every "
+        "prompt (always); send every request whole to a decode engine (never) "
+        f"(default: {ProxyConfig.disaggregation})",
+    )
+    p.add_argument(
+        "--local-margin",
+        type=float,
+        default=None,
+        help="auto: how much faster (a fraction) decode must be expected to be to compute a "
+        f"prompt itself (default: {ProxyConfig.local_margin:g})",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port")
 
@@ -116,7 +133,15 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     engines += load_engines(args.engine_file)
     engines += [parse_engine(s, "prefill") for s in args.prefill]
     engines += [parse_engine(s, "decode") for s in args.decode]
-    names = ("connector", "policy", "max_decode_prompt_tokens", "request_timeout_s", "first_token")
+    names = (
+        "connector",
+        "policy",
+        "max_decode_prompt_tokens",
+        "request_timeout_s",
+        "first_token",
+        "disaggregation",
+        "local_margin",
+    )
     for name in names:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from kvpush.proxy.paths import DISAGGREGATION, PrefillRate
+
 MODES = ("push", "pull")
 CONNECTORS = {"kvpush": "push", "nixl-push": "push", "nixl-pull": "pull"}
 POLICIES = ("round-robin", "least-outstanding")
@@ -63,6 +65,12 @@ class ProxyConfig:
     # kvpush, streamed: the client's first token is prefill's, sent as soon as prefill answers,
     # where the decode engine declares `forces_first_token`; False: always decode's
     first_token: bool = True
+    # kvpush: per request, push the prompt from a prefill engine or compute it on the decode
+    # engine, whichever is expected faster ("auto"; kvpush.proxy.paths); "always" pushes every
+    # prompt, "never" sends every request whole to a decode engine
+    disaggregation: str = "auto"
+    # "auto": the decode engine computes a prompt only when expected faster by this fraction
+    local_margin: float = 0.1
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
@@ -74,6 +82,12 @@ class ProxyConfig:
         for role in ("prefill", "decode"):
             if not any(e.role == role for e in self.engines):
                 raise ValueError(f"the proxy needs at least one {role} engine")
+        if self.disaggregation not in DISAGGREGATION:
+            raise ValueError(
+                f"disaggregation must be one of {DISAGGREGATION}, got {self.disaggregation!r}"
+            )
+        if not 0 <= self.local_margin < 1:
+            raise ValueError(f"local_margin must be in [0, 1), got {self.local_margin}")
         if self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
         for e in self.engines:
@@ -142,3 +156,6 @@ class EngineState:
     outstanding_tokens: int = 0
     waiting_on_prefill: int = 0  # decode: requests holding blocks until prefill is done
     connections_opened: int = 0  # TCP connections the pool opened to it
+    local_tokens: int = 0  # decode: prompt tokens it is computing itself (the `local` path)
+    # seconds per queued prompt token to the first token, measured (kvpush.proxy.paths)
+    rate: PrefillRate = field(default_factory=PrefillRate)

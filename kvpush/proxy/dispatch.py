@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvpush.proxy import paths
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
@@ -184,6 +185,8 @@ class Dispatcher:
             prefill = self.pool.pick_healthy("prefill", call.tokens, exclude=tried)
             if prefill is None:
                 break
+            if not tried and self._choose(prefill, decode, call) == "local":
+                return await self._whole(decode, call)
             try:
                 return await self._push_once(prefill, decode, call)
             except PrefillLost as e:
@@ -191,9 +194,28 @@ class Dispatcher:
                 self._rerouted(call.trace, prefill, e)
         return await self._local(decode, call)
 
+    def _choose(self, prefill: EngineState, decode: EngineState, call: Call) -> str:
+        """The prompt's path (kvpush.proxy.paths), counted and in its timeline. Only kvpush
+        chooses; vLLM's own connectors always push."""
+        cfg = self.config
+        mode = cfg.disaggregation if cfg.connector == "kvpush" else "always"
+        choice = paths.choose(
+            mode,
+            call.tokens,
+            prefill.outstanding_tokens,
+            prefill.rate,
+            decode.local_tokens,
+            decode.rate,
+            cfg.local_margin,
+        )
+        call.trace.path = choice.path
+        self.metrics.path.labels(choice.path).inc()
+        return choice.path
+
     async def _push_once(self, prefill: EngineState, decode: EngineState, call: Call) -> Answer:
         body, chat, trace, tokens = call.body, call.chat, call.trace, call.tokens
         transfer_id = trace.transfer_id = uuid.uuid4().hex
+        ahead = prefill.outstanding_tokens  # prompt tokens queued on prefill before this one
         info = prefill.info
         p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
         d_params = {
@@ -223,6 +245,9 @@ class Dispatcher:
             pool.prefill_done(decode)
             if not task.cancelled() and task.exception() is not None:
                 log.debug("prefill leg %s ended with %r", transfer_id, task.exception())
+            elif not task.cancelled() and "prefill_answer" in trace.at:
+                seconds = trace.at["prefill_answer"] - trace.at["legs_sent"]
+                prefill.rate.observe(seconds, ahead + tokens)
 
         p_task.add_done_callback(prefill_ended)
 
@@ -283,14 +308,27 @@ class Dispatcher:
 
     async def _local(self, decode: EngineState, call: Call) -> Answer:
         """No prefill engine is left: decode computes the prompt itself."""
-        trace = call.trace
-        trace.reroutes.append("decode")
-        trace.transfer_id = ""
+        call.trace.reroutes.append("decode")
         self.metrics.rerouted.labels("decode").inc()
-        headers = call.leg_headers()
-        self.pool.acquire(decode, call.tokens)
+        return await self._whole(decode, call)
+
+    async def _whole(self, decode: EngineState, call: Call) -> Answer:
+        """The whole request on the decode engine, as on one plain engine (the `local` path,
+        or no prefill engine left). A streamed one's time to its first chunk is measured
+        into decode's rate (kvpush.proxy.paths)."""
+        trace, tokens = call.trace, call.tokens
+        trace.transfer_id = ""
+        ahead = decode.local_tokens
+        decode.local_tokens += tokens
+        self.pool.acquire(decode, tokens)
         trace.mark("legs_sent")
-        return await self._from_decode(decode, call.body, headers, call)
+        try:
+            answer = await self._from_decode(decode, call.body, call.leg_headers(), call)
+        finally:
+            decode.local_tokens -= tokens
+        if call.body.get("stream") and "first_chunk" in trace.at:
+            decode.rate.observe(trace.at["first_chunk"] - trace.at["legs_sent"], ahead + tokens)
+        return answer
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
         log.warning(

@@ -37,6 +37,13 @@ class ProxyMetrics:
             ["to"],
             registry=r,
         )
+        self.path = Counter(
+            "kvpush_proxy_path",
+            "requests by the path their prompt took (kvpush.proxy.paths): push (a prefill "
+            "engine computed it, its KV pushed to decode) or local (the decode engine did)",
+            ["path"],
+            registry=r,
+        )
         self.prefill_seconds = Histogram(
             "kvpush_proxy_prefill_leg_seconds",
             "prefill leg latency",
@@ -120,6 +127,7 @@ class ProxyMetrics:
             {
                 "transfer_id": trace.transfer_id,
                 "status": trace.status,
+                "path": trace.path,
                 "phases_s": phases,
                 # the events too, and when it arrived on this host's monotonic clock, so that
                 # a client on the same host can join its own times to the proxy's

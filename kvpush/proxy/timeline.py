@@ -44,6 +44,7 @@ class Trace:
     at: dict[str, float] = field(default_factory=lambda: {"arrival": 0.0})
     num_chunks: int = 0
     reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
+    path: str = ""  # the prompt's path (kvpush.proxy.paths): "push" or "local"
     status: str = ""  # how it ended: "ok", or the failure
     observed: bool = False
 
@@ -81,11 +82,12 @@ class Trace:
         events = " ".join(f"{k}={v * 1e3:.1f}" for k, v in self.at.items())
         phases = " ".join(f"{k}={v * 1e3:.1f}" for k, v in self.phases().items())
         log.debug(
-            "request %s transfer_id=%s client_id=%s status=%s re-sent=%s events_ms: %s; "
+            "request %s transfer_id=%s client_id=%s path=%s status=%s re-sent=%s events_ms: %s; "
             "phases_ms: %s",
             self.request_id,
             self.transfer_id or "-",
             self.client_id or "-",
+            self.path or "-",
             self.status or "-",
             ",".join(self.reroutes) or "-",
             events,

@@ -33,7 +33,7 @@ def proxy(engines):
         EngineInfo(p.url, "prefill", p.name, "127.0.0.1", p.side_channel_port),
         EngineInfo(d.url, "decode", d.name, forces_first_token=True),
     )
-    with run_server(create_app(ProxyConfig(engines=infos))) as url:
+    with run_server(create_app(ProxyConfig(engines=infos, disaggregation="always"))) as url:
         yield url
 
 

@@ -101,7 +101,7 @@ def test_500_requests_with_random_aborts_leave_nothing_held(pair, engines):
         return [f for f in failed if f is not None], left
 
     tcp_before = tcp_counters()
-    with run_server(create_app(ProxyConfig(engines=infos))) as url:
+    with run_server(create_app(ProxyConfig(engines=infos, disaggregation="always"))) as url:
         failed, left = asyncio.run(go(url))
         proxy = metric_samples(url)
     tcp = {k: v - tcp_before.get(k, 0) for k, v in tcp_counters().items()}

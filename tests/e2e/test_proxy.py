@@ -46,7 +46,7 @@ def proxy_url(engines):
         EngineInfo(e.spec.url, "prefill", e.spec.name, "127.0.0.1", e.spec.side_channel_port)
         for e in (engines["prefill"], second)
     ] + [EngineInfo.from_dict(engines["decode"].spec.describe())]
-    with run_server(create_app(ProxyConfig(engines=tuple(infos)))) as url:
+    with run_server(create_app(ProxyConfig(engines=tuple(infos), disaggregation="always"))) as url:
         yield url, [engines["prefill"].spec.url, second.spec.url], engines["decode"].spec.url
     second.stop()
 
@@ -198,7 +198,7 @@ def test_decode_leg_lost_before_decode_saw_it_prefill_freed_by_abandon(engines):
             EngineInfo(prefill.url, "prefill", prefill.name, "127.0.0.1", side),
             EngineInfo(fake_url, "decode", "fake-decode"),
         )
-        with run_server(create_app(ProxyConfig(engines=infos))) as url:
+        with run_server(create_app(ProxyConfig(engines=infos, disaggregation="always"))) as url:
 
             async def go():
                 async with session() as c:

@@ -50,7 +50,9 @@ def prompts(seed: int) -> list[list[int]]:
 def kill_while_waiting(victim, prefills, decode, mono_url: str, seed: int) -> dict[str, float]:
     """Send NUM_REQUESTS streamed requests, kill `victim` while they wait on prefill, check
     every answer against the plain engine; the proxy's metrics."""
-    config = ProxyConfig(engines=tuple(info(e) for e in (*prefills, decode)))
+    config = ProxyConfig(
+        engines=tuple(info(e) for e in (*prefills, decode)), disaggregation="always"
+    )
     ps = prompts(seed)
 
     async def go(url: str):
