@@ -195,22 +195,10 @@ class Dispatcher:
         return await self._local(decode, call)
 
     def _choose(self, prefill: EngineState, decode: EngineState, call: Call) -> str:
-        """The prompt's path (kvpush.proxy.paths), counted and in its timeline. Only kvpush
-        chooses; vLLM's own connectors always push."""
-        cfg = self.config
-        mode = cfg.disaggregation if cfg.connector == "kvpush" else "always"
-        choice = paths.choose(
-            mode,
-            call.tokens,
-            prefill.outstanding_tokens,
-            prefill.rate,
-            decode.local_tokens,
-            decode.rate,
-            cfg.local_margin,
-        )
-        call.trace.path = choice.path
-        self.metrics.path.labels(choice.path).inc()
-        return choice.path
+        """The prompt's path (kvpush.proxy.paths), counted and in its timeline."""
+        path = call.trace.path = paths.pick(self.config, prefill, decode, call.tokens).path
+        self.metrics.path.labels(path).inc()
+        return path
 
     async def _push_once(self, prefill: EngineState, decode: EngineState, call: Call) -> Answer:
         body, chat, trace, tokens = call.body, call.chat, call.trace, call.tokens

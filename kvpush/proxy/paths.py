@@ -17,6 +17,10 @@ before), "never" (every request whole on a decode engine).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpush.proxy.config import EngineState, ProxyConfig
 
 DISAGGREGATION = ("auto", "always", "never")
 PATHS = ("push", "local")
@@ -73,3 +77,19 @@ def choose(
     local_s = (decode_queued + tokens) * s_d
     path = "local" if local_s < push_s * (1 - margin) else "push"
     return Choice(path, push_s, local_s)
+
+
+def pick(config: ProxyConfig, prefill: EngineState, decode: EngineState, tokens: int) -> Choice:
+    """`choose` for a prompt between two engines of the pool: prefill's queue is its
+    outstanding prefill legs, decode's the prompts it computes itself. Only kvpush chooses;
+    vLLM's own connectors always push."""
+    mode = config.disaggregation if config.connector == "kvpush" else "always"
+    return choose(
+        mode,
+        tokens,
+        prefill.outstanding_tokens,
+        prefill.rate,
+        decode.local_tokens,
+        decode.rate,
+        config.local_margin,
+    )
