@@ -103,6 +103,7 @@ def sweep(
                         before = asyncio.run(prefix_cache(metrics_urls))
                         result = vllm_bench.run(url, tokenizer, model_name, load, path, True)
                         after = asyncio.run(prefix_cache(metrics_urls))
+                        recent = asyncio.run(recent_timelines(timelines, num_prompts))
                         result |= {
                             "mode": mode,
                             "qps": q,
@@ -116,7 +117,8 @@ def sweep(
                             "prompts": {"seed": prompts.seed, "set": list(key)},
                             "prefix_cache": changes(before, after),
                             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-                            "proxy_phases_ms": asyncio.run(proxy_phases(timelines, num_prompts)),
+                            "proxy_phases_ms": proxy_phases(recent),
+                            "proxy_paths": path_counts(recent),
                             # vLLM counts a stream that ends in an error event as completed;
                             # with EOS ignored, a short answer is how such a stream shows
                             "short_outputs": sum(n < n_out for n in result.get("output_lens", [])),
@@ -192,12 +194,10 @@ def point_line(r: dict) -> str:
     )
 
 
-async def proxy_phases(url: str, num_requests: int) -> dict | None:
-    """Median and p99 (numpy's) of each timeline phase over the last `num_requests` requests
-    of the proxy's or front end's timelines at `url`, or None for an endpoint without them
-    (a plain engine)."""
+async def recent_timelines(url: str, num_requests: int) -> list[dict] | None:
+    """The last `num_requests` requests of the proxy's or front end's timelines at `url`, or
+    None for an endpoint without them (a plain engine)."""
     import aiohttp
-    import numpy as np
 
     from kvpush import httpclient
 
@@ -206,9 +206,28 @@ async def proxy_phases(url: str, num_requests: int) -> dict | None:
             async with c.get(url) as r:
                 if r.status != 200:
                     return None
-                timelines = (await r.json())["timelines"][-num_requests:]
+                return (await r.json())["timelines"][-num_requests:]
         except (aiohttp.ClientError, ValueError, KeyError):
             return None
+
+
+def path_counts(timelines: list[dict] | None) -> dict[str, int] | None:
+    """How many requests took each path (kvpush.proxy.paths), where the timelines say."""
+    if timelines is None:
+        return None
+    counts: dict[str, int] = {}
+    for t in timelines:
+        if t.get("path"):
+            counts[t["path"]] = counts.get(t["path"], 0) + 1
+    return counts
+
+
+def proxy_phases(timelines: list[dict] | None) -> dict | None:
+    """Median and p99 (numpy's) of each timeline phase over `timelines`."""
+    import numpy as np
+
+    if timelines is None:
+        return None
     names = sorted({k for t in timelines for k in t["phases_s"]})
     out = {}
     for name in names:

@@ -156,6 +156,8 @@ class EngineState:
     outstanding_tokens: int = 0
     waiting_on_prefill: int = 0  # decode: requests holding blocks until prefill is done
     connections_opened: int = 0  # TCP connections the pool opened to it
-    local_tokens: int = 0  # decode: prompt tokens it is computing itself (the `local` path)
+    # prompt tokens it is computing for requests it serves whole (paths `local`, `whole`)
+    local_tokens: int = 0
+    decoding: int = 0  # requests past their first token, streaming from this engine
     # seconds per queued prompt token to the first token, measured (kvpush.proxy.paths)
     rate: PrefillRate = field(default_factory=PrefillRate)

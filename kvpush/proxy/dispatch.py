@@ -35,6 +35,9 @@ from kvpush.transfer.wire import PrefillAddress
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI-style stream
+# on a request an engine serves whole: a prefill engine running the front end (frontend.py)
+# serves it itself rather than dispatching it again
+FRONT_END_OFF = {"X-KVPush-Front-End": "off"}
 MAX_PREFILL_TRIES = 2  # the first engine and one other; then decode computes the prompt
 
 
@@ -185,8 +188,9 @@ class Dispatcher:
             prefill = self.pool.pick_healthy("prefill", call.tokens, exclude=tried)
             if prefill is None:
                 break
-            if not tried and self._choose(prefill, decode, call) == "local":
-                return await self._whole(decode, call)
+            path = self._choose(prefill, decode, call) if not tried else "push"
+            if path != "push":
+                return await self._whole(decode if path == "local" else prefill, call)
             try:
                 return await self._push_once(prefill, decode, call)
             except PrefillLost as e:
@@ -203,7 +207,8 @@ class Dispatcher:
     async def _push_once(self, prefill: EngineState, decode: EngineState, call: Call) -> Answer:
         body, chat, trace, tokens = call.body, call.chat, call.trace, call.tokens
         transfer_id = trace.transfer_id = uuid.uuid4().hex
-        ahead = prefill.outstanding_tokens  # prompt tokens queued on prefill before this one
+        # prompt tokens queued on prefill before this one: its prefill legs' and whole requests'
+        ahead = prefill.outstanding_tokens + prefill.local_tokens
         info = prefill.info
         p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
         d_params = {
@@ -300,22 +305,28 @@ class Dispatcher:
         self.metrics.rerouted.labels("decode").inc()
         return await self._whole(decode, call)
 
-    async def _whole(self, decode: EngineState, call: Call) -> Answer:
-        """The whole request on the decode engine, as on one plain engine (the `local` path,
-        or no prefill engine left). A streamed one's time to its first chunk is measured
-        into decode's rate (kvpush.proxy.paths)."""
+    async def _whole(self, engine: EngineState, call: Call) -> Answer:
+        """The whole request on one engine, as on one plain engine: a decode engine (the
+        `local` path, or no prefill engine left) or a prefill engine (`whole`). A streamed
+        one's time to its first chunk is measured into the engine's rate
+        (kvpush.proxy.paths). On a prefill engine its prompt counts in the engine's queue
+        only until then (`local_tokens`), not in `outstanding_tokens`, which is its prefill
+        legs'."""
         trace, tokens = call.trace, call.tokens
         trace.transfer_id = ""
-        ahead = decode.local_tokens
-        decode.local_tokens += tokens
-        self.pool.acquire(decode, tokens)
+        held = tokens if engine.info.role == "decode" else 0
+        queued = engine.outstanding_tokens if engine.info.role == "prefill" else 0
+        ahead = engine.local_tokens + queued
+        engine.local_tokens += tokens
+        self.pool.acquire(engine, held)
         trace.mark("legs_sent")
         try:
-            answer = await self._from_decode(decode, call.body, call.leg_headers(), call)
+            headers = call.leg_headers() | FRONT_END_OFF
+            answer = await self._from_decode(engine, call.body, headers, call, held_tokens=held)
         finally:
-            decode.local_tokens -= tokens
+            engine.local_tokens -= tokens
         if call.body.get("stream") and "first_chunk" in trace.at:
-            decode.rate.observe(trace.at["first_chunk"] - trace.at["legs_sent"], ahead + tokens)
+            engine.rate.observe(trace.at["first_chunk"] - trace.at["legs_sent"], ahead + tokens)
         return answer
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
@@ -348,6 +359,7 @@ class Dispatcher:
         p_task: asyncio.Future | None = None,
         abandon: Callable[[], None] = lambda: None,
         early: bool = False,
+        held_tokens: int | None = None,
     ) -> Answer:
         """Decode's headers, then its first chunk or whole answer; a prefill failure before
         that wins, closes decode's leg and is raised.
@@ -357,8 +369,13 @@ class Dispatcher:
 
         No task of its own: the leg runs in the caller's task, and a prefill failure cancels
         that task from a callback (as asyncio.timeout does), told apart from a cancellation by
-        the client with `uncancel`."""
-        chat, trace, tokens = call.chat, call.trace, call.tokens
+        the client with `uncancel`.
+
+        `held_tokens`: the prompt tokens `decode`'s count holds for it (pool.acquire; the
+        prompt's by default). A streamed answer counts in `decode.decoding` from its first
+        token until it ends."""
+        chat, trace = call.chat, call.trace
+        tokens = call.tokens if held_tokens is None else held_tokens
         me = asyncio.current_task()
         assert me is not None
         hold: list[DecodeResponse] = []
@@ -408,6 +425,8 @@ class Dispatcher:
             raise
         d_resp = hold[0]
         ends = first is not None and first.ends
+        streaming = bool(d_body.get("stream")) and not ends
+        decode.decoding += streaming
 
         def finish(finished: bool) -> None:
             if finished and not ends:
@@ -416,6 +435,7 @@ class Dispatcher:
                 d_resp.close()
                 abandon()
             self.pool.release(decode, tokens)
+            decode.decoding -= streaming
             trace.status = "ok" if finished else "ended early"
             # prefill's answer can come after decode's: the timeline waits for it
             if p_task is not None and not p_task.done():

@@ -46,7 +46,14 @@ from kvpush.asgi import (
 )
 from kvpush.proxy.app import HttpLegs, check_request, describe, forward_headers, parse_json
 from kvpush.proxy.config import EngineState, ProxyConfig, load_file
-from kvpush.proxy.dispatch import Dispatcher, PrefillLost, error_text, route, sse_error
+from kvpush.proxy.dispatch import (
+    FRONT_END_OFF,
+    Dispatcher,
+    PrefillLost,
+    error_text,
+    route,
+    sse_error,
+)
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
@@ -55,7 +62,7 @@ from kvpush.proxy.timeline import Trace
 from kvpush.transfer.router import Abandoner
 
 log = logging.getLogger(__name__)
-OFF_HEADER = b"x-kvpush-front-end"  # "off": this engine serves the request alone
+OFF_HEADER = next(iter(FRONT_END_OFF)).lower().encode()  # "off": served by this engine alone
 _ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
 
 

@@ -70,3 +70,13 @@ def test_the_pages_fast_poll_table_comes_from_the_committed_transfer_runs():
     assert len(rows) == 5
     missing = [line for line in rows if line not in PAGE.read_text()]
     assert not missing, f"rows of the fast_poll_s table not on the page: {missing}"
+
+
+def test_the_pages_knobs_table_comes_from_the_committed_runs():
+    import runpy
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
+    rows = script["knobs_table"](str(RESULTS / "knobs_cpu")).splitlines()
+    assert len(rows) == 8  # three settings at two rates
+    missing = [line for line in rows if line not in PAGE.read_text()]
+    assert not missing, f"rows of the knobs table not on the page: {missing}"

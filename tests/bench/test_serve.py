@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from kvpush.bench.plot import NAME
-from kvpush.bench.serve import result_name, rounds
+from kvpush.bench.serve import path_counts, result_name, rounds
 
 
 def test_rounds_bring_the_stacks_up_in_turn_with_iterations_of_their_own():
@@ -14,3 +14,9 @@ def test_rounds_bring_the_stacks_up_in_turn_with_iterations_of_their_own():
     assert len(names) == 12
     assert all(NAME.match(n) for n in names)
     assert rounds(["mono"], 1, 1) == [("mono", 0)]
+
+
+def test_the_paths_taken_are_counted_from_the_timelines_and_absent_for_a_plain_engine():
+    timelines = [{"path": "push"}, {"path": "local"}, {"path": "push"}, {"path": ""}, {}]
+    assert path_counts(timelines) == {"push": 2, "local": 1}
+    assert path_counts(None) is None

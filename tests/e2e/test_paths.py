@@ -5,6 +5,7 @@ answer equal to one plain engine's (greedy), each path counted."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -80,4 +81,36 @@ def test_auto_moves_prompts_to_decode_while_prefill_is_queued_and_answers_stay_r
     assert counts["push"] >= 2 and counts["local"] >= 1, counts
     for want, got in zip(wants, gots, strict=True):
         assert_same_or_near_tie(want, got)
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_served_whole_by_the_prefill_engine_answers_as_one_plain_engine(
+    engines, pair, mono_url, stream
+):
+    """The `whole` path's leg, as the dispatcher sends it (tests/proxy/test_paths.py): the
+    client's body unchanged, to the prefill engine (kv_producer), with the header that keeps
+    a front end from dispatching it again."""
+    from kvpush.proxy.dispatch import FRONT_END_OFF
+
+    async def go():
+        async with session() as c:
+            p = tokens(400, 91)
+            want = await plain(c, mono_url, p, 12, stream=stream)
+            async with c.post(
+                pair.prefill_url + "/v1/completions",
+                json=body(p, 12, stream=stream),
+                headers=FRONT_END_OFF,
+            ) as r:
+                assert r.status == 200
+                raw = await r.read()
+            return text_of(want), raw
+
+    want, raw = asyncio.run(go())
+    if stream:
+        events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: {")]
+        got = "".join(json.loads(e)["choices"][0]["text"] for e in events)
+    else:
+        got = json.loads(raw)["choices"][0]["text"]
+    assert got == want
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from kvpush.proxy.paths import Choice, PrefillRate, choose
+from kvpush.proxy.paths import Choice, Load, PrefillRate, choose
+from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import Trace
 from tests.proxy.test_dispatch import STREAM, idle, make, until
 
@@ -17,25 +18,37 @@ def rate(s: float | None) -> PrefillRate:
     return PrefillRate(s_per_token=s, samples=0 if s is None else 1)
 
 
+def load(queued: int, s: float | None, decoding: int = 0) -> Load:
+    return Load(queued, decoding, rate(s))
+
+
 def test_always_pushes_never_computes_on_decode_and_auto_pushes_until_prefill_is_measured():
-    args = (100, 10_000, rate(1e-3), 0, rate(1e-3), 0.1)
+    args = (100, load(10_000, 1e-3), load(0, 1e-3), 0.1)
     assert choose("always", *args).path == "push"
     assert choose("never", *args).path == "local"
-    assert choose("auto", 100, 10_000, rate(None), 0, rate(None), 0.1) == Choice("push")
+    assert choose("auto", 100, load(10_000, None), load(0, None), 0.1) == Choice("push")
 
 
 def test_auto_computes_on_decode_only_when_expected_faster_by_the_margin():
     # an idle pair of equal engines: push (decode's rate taken as prefill's)
-    assert choose("auto", 2048, 0, rate(1e-4), 0, rate(None), 0.1).path == "push"
+    assert choose("auto", 2048, load(0, 1e-4), load(0, None), 0.1).path == "push"
     # two prompts queued on prefill: decode, idle, is expected 3x faster
-    got = choose("auto", 2048, 4096, rate(1e-4), 0, rate(1e-4), 0.1)
+    got = choose("auto", 2048, load(4096, 1e-4), load(0, 1e-4), 0.1)
     assert got.path == "local" and got.push_s == pytest.approx(0.6144)
     assert got.local_s == pytest.approx(0.2048)
     # decode measured slower (its decodes slow its prefills): push unless it still wins
-    assert choose("auto", 2048, 2048, rate(1e-4), 0, rate(1.9e-4), 0.1).path == "push"
-    assert choose("auto", 2048, 2048, rate(1e-4), 0, rate(1.7e-4), 0.1).path == "local"
+    assert choose("auto", 2048, load(2048, 1e-4), load(0, 1.9e-4), 0.1).path == "push"
+    assert choose("auto", 2048, load(2048, 1e-4), load(0, 1.7e-4), 0.1).path == "local"
     # within the margin: push
-    assert choose("auto", 1000, 100, rate(1e-4), 0, rate(1e-4), 0.1).path == "push"
+    assert choose("auto", 1000, load(100, 1e-4), load(0, 1e-4), 0.1).path == "push"
+
+
+def test_a_prompt_computed_on_prefill_is_decoded_there_when_decode_has_more_decoding():
+    assert choose("auto", 2048, load(0, 1e-4, 0), load(0, 1e-4, 1), 0.1).path == "push"
+    assert choose("auto", 2048, load(0, 1e-4, 0), load(0, 1e-4, 2), 0.1).path == "whole"
+    assert choose("auto", 2048, load(0, 1e-4, 1), load(0, 1e-4, 2), 0.1).path == "push"
+    # a prompt decode would compute sooner stays local, whatever is decoding where
+    assert choose("auto", 2048, load(4096, 1e-4, 0), load(0, 1e-4, 5), 0.1).path == "local"
 
 
 def test_a_rate_is_a_moving_average_of_seconds_per_queued_token():
@@ -94,6 +107,30 @@ def test_auto_measures_prefill_and_moves_a_prompt_to_decode_when_prefill_is_queu
         assert counts == {"push": 1, "local": 1}
         prefill.outstanding_tokens = 0
         assert idle(pool)
+
+    asyncio.run(go())
+
+
+def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one():
+    async def go():
+        dispatcher, pool, legs, abandoner = make(num_prefill=1, connector="kvpush")
+        prefill, decode = pool.states
+        prefill.rate.observe(0.2, 2000)  # measured, and decode busy decoding two streams
+        decode.decoding = 2
+        trace = Trace(None)
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
+        await until(lambda: legs.decode_calls)
+        (engine_id, body), answer_leg = legs.decode_calls[0], legs.decodes[0]
+        assert engine_id == "p0" and legs.prefill_calls == [] and body == STREAM
+        assert trace.path == "whole" and prefill.local_tokens > 0
+        answer_leg.chunks.put_nowait(b"data: 1\n\n")
+        answer = await task
+        assert prefill.decoding == 1 and prefill.local_tokens == 0
+        answer_leg.answer(b"data: [DONE]\n\n")
+        await relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        assert prefill.decoding == 0 and prefill.rate.samples == 2
+        decode.decoding = 0
+        assert idle(pool) and abandoner.abandoned == []
 
     asyncio.run(go())
 
