@@ -143,7 +143,32 @@ def knobs_table(folder: str) -> str:
     return "\n".join(lines)
 
 
+def paths_table(folder: str) -> str:
+    """The paths kvpush's proxy took (kvpush.proxy.paths) per rate, summed over the rounds of
+    a `kvpush bench serve` results folder."""
+    import glob
+    import os
+
+    counts: dict[float, dict[str, int]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "kvpush_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        point = counts.setdefault(data["qps"], {})
+        for name, n in (data.get("proxy_paths") or {}).items():
+            point[name] = point.get(name, 0) + n
+    head = ["QPS", "push", "local (decode computes)", "whole (on prefill)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for qps in sorted(counts):
+        c = counts[qps]
+        cells = [f"{qps:g}", *(str(c.get(k, 0)) for k in ("push", "local", "whole"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--paths"]:
+        print(paths_table(sys.argv[2]))
+        sys.exit()
     if sys.argv[1:2] == ["--knobs"]:
         print(knobs_table(sys.argv[2]))
         sys.exit()
