@@ -135,6 +135,7 @@ class Dispatcher:
     ) -> None:
         self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
         self.abandoner = abandoner
+        self.run = LegRunner(pool, legs, metrics)
         # tasks that outlive the handler that started them: prefill legs (a streamed answer
         # can end before prefill's does)
         self._background: set[asyncio.Future] = set()
@@ -230,7 +231,7 @@ class Dispatcher:
         pool.acquire(decode, tokens, waiting=True)
         trace.mark("legs_sent")
         p_task = self._track(
-            asyncio.ensure_future(self._prefill(prefill, p_body, chat, headers, trace))
+            asyncio.ensure_future(self.run.prefill(prefill, p_body, chat, headers, trace))
         )
 
         def prefill_ended(task: asyncio.Future) -> None:
@@ -251,7 +252,7 @@ class Dispatcher:
                 address = PrefillAddress(info.kv_host, info.side_channel_port, info.tp_size)
                 self.abandoner.abandon(address, transfer_id, "request ended")
 
-        return await self._from_decode(
+        return await self.run.answer(
             decode, body | {"kv_transfer_params": d_params}, headers, call,
             p_task, abandon, early=self.first_token_early(decode, body),
         )  # fmt: skip
@@ -278,7 +279,7 @@ class Dispatcher:
             trace.mark("legs_sent")
             try:
                 p_json = msgspec.json.decode(
-                    await self._prefill(prefill, p_body, chat, headers, trace)
+                    await self.run.prefill(prefill, p_body, chat, headers, trace)
                 )
             except PrefillLost as e:
                 tried.append(prefill)
@@ -296,7 +297,7 @@ class Dispatcher:
             decode = self.pool.pick("decode", tokens)
             self.pool.acquire(decode, tokens)
             d_body = body | {"kv_transfer_params": params}
-            return await self._from_decode(decode, d_body, headers, call)
+            return await self.run.answer(decode, d_body, headers, call)
         return await self._local(self.pool.pick("decode", tokens), call)
 
     async def _local(self, decode: EngineState, call: Call) -> Answer:
@@ -322,7 +323,7 @@ class Dispatcher:
         trace.mark("legs_sent")
         try:
             headers = call.leg_headers() | FRONT_END_OFF
-            answer = await self._from_decode(engine, call.body, headers, call, held_tokens=held)
+            answer = await self.run.answer(engine, call.body, headers, call, held_tokens=held)
         finally:
             engine.local_tokens -= tokens
         if call.body.get("stream") and "first_chunk" in trace.at:
@@ -339,7 +340,16 @@ class Dispatcher:
         trace.reroutes.append("prefill")
         self.metrics.rerouted.labels("prefill").inc()
 
-    async def _prefill(
+
+class LegRunner:
+    """A request's legs run to an answer: the prefill leg, and decode's leg raced against
+    prefill's failure up to decode's first chunk (or whole answer). The dispatcher decides
+    which legs a request takes; this runs them, over `legs`, counting them in `pool`."""
+
+    def __init__(self, pool: EnginePool, legs: Legs, metrics: ProxyMetrics) -> None:
+        self.pool, self.legs, self.metrics = pool, legs, metrics
+
+    async def prefill(
         self, prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
     ) -> bytes:
         try:
@@ -350,7 +360,7 @@ class Dispatcher:
         trace.mark("prefill_answer")
         return answer
 
-    async def _from_decode(
+    async def answer(
         self,
         decode: EngineState,
         d_body: dict,
