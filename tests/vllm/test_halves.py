@@ -95,7 +95,12 @@ def test_a_request_goes_through_both_halves_and_its_kv_lands_token_exact(options
         p_work.start(p_sched.build_connector_meta(None).actions)  # Push
 
         sending = until(lambda: p_work.results()[0], "prefill reports the push sent")
-        recving, failed = until(lambda: d_work.results()[1:], "decode reports the load")[:2]
+
+        def load_reported():  # (finished receiving, failed), once decode reports the load
+            _, recving, failed = d_work.results()
+            return (recving, failed) if recving else None
+
+        recving, failed = until(load_reported, "decode reports the load")
         assert (sending, recving, failed) == ({"r1"}, {"r1"}, set())
         p_sched.update_connector_output(output(sending=sending))
         d_sched.update_connector_output(output(recving=recving))
