@@ -44,7 +44,7 @@ class Trace:
     at: dict[str, float] = field(default_factory=lambda: {"arrival": 0.0})
     num_chunks: int = 0
     reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
-    path: str = ""  # the prompt's path (kvpush.proxy.paths): "push" or "local"
+    path: str = ""  # the prompt's path (kvpush.proxy.paths): "push", "local" or "whole"
     status: str = ""  # how it ended: "ok", or the failure
     observed: bool = False
 

@@ -163,15 +163,24 @@ class Transfer:
 
 
 def record_gauges(records: Iterable[Transfer]) -> dict[str, int]:
-    """Prefill's gauges that count what its transfers' records hold."""
-    recs = list(records)
+    """Prefill's gauges that count what its transfers' records hold, in one pass (read after
+    every turn of the endpoint's loop)."""
+    in_flight = held = unclaimed = prepared = layered = layer_writes = 0
+    for r in records:
+        in_flight += len(r.flights)
+        held += r.holding
+        unclaimed += r.unclaimed_s is not None
+        prepared += r.hint is not None
+        if r.layered is not None:
+            layered += 1
+            layer_writes += r.layered.in_flight()
     return {
-        "in_flight": sum(len(r.flights) for r in recs),
-        "held_sources": sum(r.holding for r in recs),
-        "unclaimed_sources": sum(r.unclaimed_s is not None for r in recs),
-        "prepared": sum(r.hint is not None for r in recs),
-        "layered": sum(r.layered is not None for r in recs),
-        "layer_writes_in_flight": sum(r.layered.in_flight() for r in recs if r.layered),
+        "in_flight": in_flight,
+        "held_sources": held,
+        "unclaimed_sources": unclaimed,
+        "prepared": prepared,
+        "layered": layered,
+        "layer_writes_in_flight": layer_writes,
     }
 
 
