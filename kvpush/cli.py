@@ -398,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "always", "never"],
         default="auto",
         help="kvpush: per request, the prompt pushed from a prefill engine or computed on the "
-        "decode engine, whichever is expected faster (auto); always pushed; never "
-        "(docs/design/proxy.md, 'Conditional disaggregation')",
+        "decode engine, whichever is expected faster (auto); always pushed; never pushed, every "
+        "engine serving whole requests as plain replicas (docs/design/proxy.md, 'Conditional disaggregation')",
     )
     up.add_argument(
         "--front-end",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -125,6 +126,7 @@ class Stack:
         self.proxy_cmd = proxy_cmd
         self.engines: list[Engine] = []
         self.proxy: subprocess.Popen | None = None
+        self._reported: set[Engine] = set()  # engines whose exit was told (newly_exited)
 
     @property
     def url(self) -> str:
@@ -170,6 +172,23 @@ class Stack:
             path.write_text(json.dumps(spec.describe()))
             cmd += ["--engine-file", str(path)]
         return cmd + list(self.proxy_args)
+
+    def newly_exited(self) -> list[str]:
+        """A line for each engine whose process exited since the last call: which, its code,
+        and why (the last error its log names)."""
+        lines = []
+        for engine in self.engines:
+            code = engine.proc.poll()
+            if code is None or engine in self._reported:
+                continue
+            self._reported.add(engine)
+            spec = engine.spec
+            why = last_error(engine.log_tail(20_000)) or "no error in its log"
+            lines.append(
+                f"kvpush: {spec.role} engine {spec.name} ({spec.url}) exited with code {code}: "
+                f"{why}; log: {engine.log_path}"
+            )
+        return lines
 
     def _write_state(self) -> None:
         pids = [e.proc.pid for e in self.engines] + ([self.proxy.pid] if self.proxy else [])
@@ -251,10 +270,23 @@ def up(
     try:
         while not stopping:
             time.sleep(0.5)
+            for line in stack.newly_exited():
+                alive = [e.spec.name for e in stack.engines if e.proc.poll() is None]
+                print(f"{line}\n  the proxy serves on with {', '.join(alive) or 'no engine'}",
+                      flush=True)  # fmt: skip
     finally:
         print("kvpush: stopping the stack", flush=True)
         stack.stop()
     return 0
+
+
+_ERROR = re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b: .+")
+
+
+def last_error(log: str) -> str | None:
+    """The last `SomeError: message` line of a log, without what precedes it on the line."""
+    found = _ERROR.findall(log)
+    return found[-1].strip() if found else None
 
 
 def down() -> int:

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="kvpush: per request, push the prompt from a prefill engine or compute it on the "
         "decode engine, whichever is expected faster from measured costs (auto); push every "
-        "prompt (always); send every request whole to a decode engine (never) "
+        "prompt (always); push none: every engine serves whole requests, as plain replicas "
+        "(never) "
         f"(default: {ProxyConfig.disaggregation})",
     )
     p.add_argument(

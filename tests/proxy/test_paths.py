@@ -135,6 +135,47 @@ def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one(
     asyncio.run(go())
 
 
+def test_with_no_decode_engine_left_a_prefill_engine_serves_requests_whole():
+    async def go():
+        dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush", disaggregation="always")
+        prefill, decode = pool.states
+        decode.healthy = False
+        trace = Trace(None)
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
+        await until(lambda: legs.decode_calls)
+        (engine_id, body), leg = legs.decode_calls[0], legs.decodes[0]
+        assert engine_id == "p0" and body == STREAM and legs.prefill_calls == []
+        leg.answer(b"data: 1\n\n", b"data: [DONE]\n\n")
+        (await task).finish(True)
+        assert trace.path == "whole" and dispatcher.metrics.path.labels("whole")._value.get() == 1
+        decode.healthy = True
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
+def test_never_serves_whole_requests_on_every_engine_as_plain_replicas():
+    """Two requests at once: the first to decode (a tie), the second to prefill, where
+    nothing is queued; neither is pushed."""
+
+    async def go():
+        dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush", disaggregation="never")
+        traces = [Trace(None), Trace(None)]
+        tasks = [
+            asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, t)) for t in traces
+        ]
+        await until(lambda: len(legs.decode_calls) == 2)
+        assert [engine for engine, _ in legs.decode_calls] == ["d0", "p0"]
+        assert [t.path for t in traces] == ["local", "whole"] and legs.prefill_calls == []
+        for leg in legs.decodes:
+            leg.answer(b"data: 1\n\n", b"data: [DONE]\n\n")
+        for task in tasks:
+            (await task).finish(True)
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
 def test_vllms_own_connectors_always_push():
     async def go():
         dispatcher, pool, legs, _ = make(connector="nixl-push", disaggregation="never")

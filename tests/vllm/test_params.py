@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvpush.transfer.wire import TransferKey
+from kvpush.vllm import validate
 from kvpush.vllm.params import ParamsError, external_request_id, parse
-from kvpush.vllm.validate import check_body
+from kvpush.vllm.validate import EngineFacts, check_body
 
 DECODE = {
     "do_remote_prefill": True,
@@ -69,3 +70,23 @@ def test_middleware_check_refuses_lists_and_n_in_push_mode_only():
     assert "one prompt" in check_body({"prompt": ["a", "b"], "kv_transfer_params": DECODE})
     assert "n=3" in check_body({"prompt": "a", "n": 3, "kv_transfer_params": DECODE})
     assert check_body({"prompt": [1, 2, 3], "kv_transfer_params": DECODE}) is None
+
+
+def test_a_seeded_random_request_is_refused_only_where_it_would_kill_the_engine():
+    crash = EngineFacts(seeded_crash=True)
+    seeded = {"prompt": "a", "seed": 5, "temperature": 0.7}
+    assert "seed=5" in check_body(seeded, crash)
+    assert "temperature 1.0" in check_body({"prompt": "a", "seed": 5}, crash)  # vLLM's default
+    greedy_model = EngineFacts(seeded_crash=True, default_temperature=0)
+    assert check_body({"prompt": "a", "seed": 5}, greedy_model) is None
+    assert check_body(seeded | {"temperature": 0}, crash) is None  # greedy: no generator
+    assert check_body({"prompt": "a", "temperature": 0.7}, crash) is None  # no seed of its own
+    assert check_body(seeded, EngineFacts(seeded_crash=False)) is None  # a GPU, or no chunking
+    assert check_body(seeded) is None  # the engine not known yet
+
+
+def test_torch_cpu_generators_have_no_offset_in_the_pinned_torch():
+    """The fact the refusal rests on; when torch gains it, `EngineFacts` stops refusing."""
+    import torch
+
+    assert validate._cpu_generator_has_offset(torch) is False
