@@ -66,6 +66,29 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return serve.main(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import urllib.error
+
+    from kvpush.bench import plan
+    from kvpush.bench.slo import SloConfig
+
+    try:
+        slo = SloConfig(args.slo_ttft_ms, args.slo_tpot_ms)
+        if args.last is not None and args.last < 2:
+            raise ValueError(f"--last must be at least 2, got {args.last}")
+    except ValueError as e:
+        print(f"kvpush plan: {e}", file=sys.stderr)
+        return 2
+    try:
+        status, timelines = plan.fetch(args.url)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"kvpush plan: cannot read the proxy at {args.url}: {e}", file=sys.stderr)
+        return 1
+    result = plan.plan(status, timelines, slo, args.last)
+    print(plan.as_json(result) if args.json else result.text())
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from kvpush.bench import plot
     from kvpush.bench.slo import SloConfig
@@ -333,6 +356,22 @@ def build_parser() -> argparse.ArgumentParser:
         )
     plot.set_defaults(func=_plot)
 
+    plan_p = sub.add_parser(
+        "plan", help="from a running proxy's measurements: disaggregate or not, and the P:D split"
+    )
+    plan_p.add_argument("--url", default="http://127.0.0.1:8000", help="the kvpush proxy")
+    plan_p.add_argument(
+        "--slo-ttft-ms", type=float, default=defaults.SLO_TTFT_MS, help="the TTFT target"
+    )
+    plan_p.add_argument(
+        "--slo-tpot-ms", type=float, default=defaults.SLO_TPOT_MS, help="the TPOT target"
+    )
+    plan_p.add_argument(
+        "--last", type=int, help="only the newest N requests (default: all the proxy keeps)"
+    )
+    plan_p.add_argument("--json", action="store_true", help="the plan as JSON")
+    plan_p.set_defaults(func=_plan)
+
     serve = sub.add_parser("serve", help="start one vLLM engine with the right connector config")
     serve.add_argument("--role", choices=["prefill", "decode", "mono"], required=True)
     serve.add_argument(
@@ -398,8 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "always", "never"],
         default="auto",
         help="kvpush: per request, the prompt pushed from a prefill engine or computed on the "
-        "decode engine, whichever is expected faster (auto); always pushed; never pushed, every "
-        "engine serving whole requests as plain replicas (docs/design/proxy.md, 'Conditional disaggregation')",
+        "decode engine, whichever is expected faster (auto); always pushed; never pushed, "
+        "every engine serving whole requests as plain replicas (docs/design/proxy.md, "
+        "'Conditional disaggregation')",
     )
     up.add_argument(
         "--front-end",

@@ -150,17 +150,23 @@ def paths_table(folder: str) -> str:
     import os
 
     counts: dict[float, dict[str, int]] = {}
+    plans: dict[float, list[str]] = {}  # what `kvpush plan` said of each round's point
     for path in sorted(glob.glob(os.path.join(folder, "kvpush_*.json"))):
         with open(path) as f:
             data = json.load(f)
         point = counts.setdefault(data["qps"], {})
         for name, n in (data.get("proxy_paths") or {}).items():
             point[name] = point.get(name, 0) + n
+        if plan := data.get("plan"):
+            said = plan["verdict"] + (f" (`{plan['flags']}`)" if plan["flags"] else "")
+            plans.setdefault(data["qps"], []).append(said)
     head = ["QPS", "push", "local (decode computes)", "whole (on prefill)"]
+    head += ["`kvpush plan`, each round"] if plans else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for qps in sorted(counts):
         c = counts[qps]
         cells = [f"{qps:g}", *(str(c.get(k, 0)) for k in ("push", "local", "whole"))]
+        cells += ["; ".join(plans.get(qps, [])) or "-"] if plans else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

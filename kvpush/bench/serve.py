@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpush.bench import defaults, vllm_bench
+from kvpush.bench import defaults, plan, vllm_bench
 from kvpush.bench.prompts import PromptSource, new_seed
 from kvpush.bench.slo import SloConfig, attainment
 from kvpush.bench.stacks import ALL_MODES, FRONT_END, connector_of, describe, mode_stack, mode_url
@@ -81,7 +82,8 @@ def sweep(
     from `first_iteration` (a later round of `--rounds`), which also picks their prompts.
     `metrics_urls`: the engines whose prefix-cache hits during each point are recorded."""
     written = []
-    timelines = url + ("/kvpush/timelines" if mode == FRONT_END else "/timelines")
+    prefix = "/kvpush" if mode == FRONT_END else ""
+    timelines, status_url = f"{url}{prefix}/timelines", f"{url}{prefix}/status"
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for n_in in input_lens:
@@ -103,7 +105,9 @@ def sweep(
                         before = asyncio.run(prefix_cache(metrics_urls))
                         result = vllm_bench.run(url, tokenizer, model_name, load, path, True)
                         after = asyncio.run(prefix_cache(metrics_urls))
-                        recent = asyncio.run(recent_timelines(timelines, num_prompts))
+                        got = asyncio.run(proxy_json(timelines)) or {}
+                        recent = got.get("timelines", [])[-num_prompts:] if got else None
+                        status = asyncio.run(proxy_json(status_url))
                         result |= {
                             "mode": mode,
                             "qps": q,
@@ -119,6 +123,7 @@ def sweep(
                             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
                             "proxy_phases_ms": proxy_phases(recent),
                             "proxy_paths": path_counts(recent),
+                            "plan": point_plan(status, recent, slo),
                             # vLLM counts a stream that ends in an error event as completed;
                             # with EOS ignored, a short answer is how such a stream shows
                             "short_outputs": sum(n < n_out for n in result.get("output_lens", [])),
@@ -194,9 +199,9 @@ def point_line(r: dict) -> str:
     )
 
 
-async def recent_timelines(url: str, num_requests: int) -> list[dict] | None:
-    """The last `num_requests` requests of the proxy's or front end's timelines at `url`, or
-    None for an endpoint without them (a plain engine)."""
+async def proxy_json(url: str) -> dict | None:
+    """The JSON a proxy or front end answers at `url` (its /timelines, /status), or None for
+    an endpoint without it (a plain engine)."""
     import aiohttp
 
     from kvpush import httpclient
@@ -206,9 +211,16 @@ async def recent_timelines(url: str, num_requests: int) -> list[dict] | None:
             async with c.get(url) as r:
                 if r.status != 200:
                     return None
-                return (await r.json())["timelines"][-num_requests:]
-        except (aiohttp.ClientError, ValueError, KeyError):
+                return await r.json()
+        except (aiohttp.ClientError, ValueError):
             return None
+
+
+def point_plan(status: dict | None, recent: list[dict] | None, slo: SloConfig) -> dict | None:
+    """What `kvpush plan` would have said of this point's requests (kvpush.bench.plan)."""
+    if status is None or recent is None or "engines" not in status:
+        return None
+    return dataclasses.asdict(plan.plan(status, recent, slo))
 
 
 def path_counts(timelines: list[dict] | None) -> dict[str, int] | None:

@@ -108,7 +108,7 @@ def describe(stack: Stack) -> dict[str, dict]:
     """How each engine of a stack ran: role, cores, executor, prefix caching, KV cache."""
     out = {}
     for s in stack.specs:
-        prefix = s.prefix_caching if s.prefix_caching is not None else s.role != "decode"
+        prefix = s.prefix_enabled
         out[s.name] = {
             "url": s.url,
             "role": "plain" if s.role == "mono" else s.role,

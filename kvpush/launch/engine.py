@@ -144,7 +144,7 @@ class EngineSpec:
             "--tensor-parallel-size",
             str(self.tp_size),
         ]
-        prefix = self.prefix_caching if self.prefix_caching is not None else self.role != "decode"
+        prefix = self.prefix_enabled
         cmd.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
         if self.executor_in_process:
             cmd += ["--distributed-executor-backend", "uni"]
@@ -188,6 +188,11 @@ class EngineSpec:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         return env
 
+    @property
+    def prefix_enabled(self) -> bool:
+        """Prefix caching: as set, else on, except on decode (honest transfers)."""
+        return self.prefix_caching if self.prefix_caching is not None else self.role != "decode"
+
     def describe(self) -> dict:
         """What a proxy needs to know about this engine (written by `kvpush serve`)."""
         return {
@@ -202,6 +207,7 @@ class EngineSpec:
             "served_model_name": self.served_model_name,
             # `command` loads FirstTokenProcessor on kvpush decode engines
             "forces_first_token": self.connector == "kvpush" and self.role == "decode",
+            "prefix_caching": self.prefix_enabled,
         }
 
     def env_summary(self) -> str:

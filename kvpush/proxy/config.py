@@ -12,10 +12,11 @@ from typing import Any
 import yaml
 
 from kvpush.proxy.paths import DISAGGREGATION, PrefillRate
+from kvpush.proxy.prefix import PrefixIndex
 
 MODES = ("push", "pull")
 CONNECTORS = {"kvpush": "push", "nixl-push": "push", "nixl-pull": "pull"}
-POLICIES = ("round-robin", "least-outstanding")
+POLICIES = ("prefix-aware", "round-robin", "least-outstanding")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,13 @@ class EngineInfo:
     # decode: the engine forces the first token to prefill's (kvpush's FirstTokenProcessor,
     # which `kvpush serve` loads and declares), so the client may get prefill's token first
     forces_first_token: bool = False
+    # whether the engine keeps a prefix cache (prefix-aware routing); None: vLLM's default on
+    # a prefill engine, kvpush serve's (off) on a decode engine
+    prefix_caching: bool | None = None
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.prefix_caching if self.prefix_caching is not None else self.role == "prefill"
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -56,7 +64,9 @@ class EngineInfo:
 class ProxyConfig:
     engines: tuple[EngineInfo, ...]
     connector: str = "kvpush"
-    policy: str = "round-robin"
+    # among engines of one role: the fewest prompt tokens to compute, its own less the
+    # engine's likely prefix-cache hit (kvpush.proxy.prefix), round-robin on a tie
+    policy: str = "prefix-aware"
     max_decode_prompt_tokens: int = 1_000_000  # per decode engine; beyond: 503 Retry-After
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
@@ -65,12 +75,12 @@ class ProxyConfig:
     # kvpush, streamed: the client's first token is prefill's, sent as soon as prefill answers,
     # where the decode engine declares `forces_first_token`; False: always decode's
     first_token: bool = True
-    # kvpush: per request, push the prompt from a prefill engine or compute it on the decode
-    # engine, whichever is expected faster ("auto"; kvpush.proxy.paths); "always" pushes every
-    # prompt, "never" sends every request whole to a decode engine
+    # kvpush: per request, push the prompt from a prefill engine or serve the request whole on
+    # one engine, whichever is expected to end it sooner ("auto"; kvpush.proxy.paths);
+    # "always" pushes every prompt, "never" none (every engine a plain replica)
     disaggregation: str = "auto"
-    # "auto": the decode engine computes a prompt only when expected faster by this fraction
-    local_margin: float = 0.1
+    # "auto": a request is served whole only when expected sooner by this fraction
+    local_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
@@ -161,3 +171,9 @@ class EngineState:
     decoding: int = 0  # requests past their first token, streaming from this engine
     # seconds per queued prompt token to the first token, measured (kvpush.proxy.paths)
     rate: PrefillRate = field(default_factory=PrefillRate)
+    # the prompt blocks it likely holds (kvpush.proxy.prefix); None: it keeps no prefix cache
+    prefix: PrefixIndex | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefix is None and self.info.caches_prefixes:
+            self.prefix = PrefixIndex()

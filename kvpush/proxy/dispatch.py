@@ -29,6 +29,7 @@ from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
+from kvpush.proxy.prefix import block_hashes
 from kvpush.proxy.splice import Skip, first_token
 from kvpush.proxy.timeline import Trace
 from kvpush.transfer.wire import PrefillAddress
@@ -81,6 +82,7 @@ class Call:
     trace: Trace
     tokens: int  # the prompt's estimated length: the load it puts on an engine
     accept: Accept | None = None  # see Dispatcher.dispatch
+    hashes: tuple[int, ...] = ()  # the prompt's blocks (kvpush.proxy.prefix)
 
     def leg_headers(self) -> dict:
         return self.headers | {"X-Request-Id": self.trace.dispatch_id}
@@ -135,7 +137,8 @@ class Dispatcher:
     ) -> None:
         self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
         self.abandoner = abandoner
-        self.run = LegRunner(pool, legs, metrics)
+        self.costs = paths.PathCosts()  # measured TPOT per path (kvpush.proxy.paths)
+        self.run = LegRunner(pool, legs, metrics, self._ended)
         # tasks that outlive the handler that started them: prefill legs (a streamed answer
         # can end before prefill's does)
         self._background: set[asyncio.Future] = set()
@@ -165,7 +168,9 @@ class Dispatcher:
         reach the client as an error event in the stream (see `sse_error`)."""
         try:
             try:
-                call = Call(body, chat, headers, trace, estimate_prompt_tokens(body, chat), accept)
+                tokens, hashes = estimate_prompt_tokens(body, chat), block_hashes(body, chat)
+                call = Call(body, chat, headers, trace, tokens, accept, hashes)
+                trace.prompt_tokens, trace.streamed = call.tokens, bool(body.get("stream"))
                 if self.config.mode == "push":
                     return await self._push(call)
                 return await self._pull(call)
@@ -183,25 +188,22 @@ class Dispatcher:
             raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
 
     async def _push(self, call: Call) -> Answer:
-        if self.config.connector == "kvpush" and (
-            self.config.disaggregation == "never" or not self.pool.has_healthy("decode")
-        ):  # every engine a plain replica; or no decode engine left: prefill engines serve
-            healthy = [s for s in self.pool.states if s.healthy]
-            if healthy:
-                engine = paths.plain_engine(healthy)
-                path = "local" if engine.info.role == "decode" else "whole"
-                call.trace.path = path
-                self.metrics.path.labels(path).inc()
-                return await self._whole(engine, call)
-        decode = self.pool.pick("decode", call.tokens)
+        healthy = [s for s in self.pool.states if s.healthy]
+        if self.config.connector == "kvpush" and not self.pool.has_healthy("decode") and healthy:
+            # no decode engine left: the prefill engines serve requests whole, as plain ones
+            engine = paths.plain_engine(healthy, call.tokens, call.hashes)
+            self._count(call, paths.Choice("whole", engine))
+            return await self._whole(engine, call)
+        decode = self.pool.pick("decode", call.tokens, hashes=call.hashes)
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:
-            prefill = self.pool.pick_healthy("prefill", call.tokens, exclude=tried)
+            prefill = self.pool.pick_healthy("prefill", call.tokens, tried, call.hashes)
             if prefill is None:
                 break
-            path = self._choose(prefill, decode, call) if not tried else "push"
-            if path != "push":
-                return await self._whole(decode if path == "local" else prefill, call)
+            if not tried:  # a re-send does not choose again
+                choice = self._choose(prefill, call)
+                if choice.engine is not None:
+                    return await self._whole(choice.engine, call)
             try:
                 return await self._push_once(prefill, decode, call)
             except PrefillLost as e:
@@ -209,17 +211,32 @@ class Dispatcher:
                 self._rerouted(call.trace, prefill, e)
         return await self._local(decode, call)
 
-    def _choose(self, prefill: EngineState, decode: EngineState, call: Call) -> str:
-        """The prompt's path (kvpush.proxy.paths), counted and in its timeline."""
-        path = call.trace.path = paths.pick(self.config, prefill, decode, call.tokens).path
-        self.metrics.path.labels(path).inc()
-        return path
+    def _choose(self, prefill: EngineState, call: Call) -> paths.Choice:
+        """The prompt's path (kvpush.proxy.paths), counted and in its timeline. Only kvpush
+        chooses; vLLM's own connectors always push."""
+        config = self.config
+        mode = config.disaggregation if config.connector == "kvpush" else "always"
+        plain = [s for s in self.pool.states if s.healthy]
+        choice = paths.choose(
+            mode, prefill, plain, self.costs, call.tokens, paths.max_tokens_of(call.body),
+            call.hashes, config.local_margin,
+        )  # fmt: skip
+        return self._count(call, choice)
+
+    def _count(self, call: Call, choice: paths.Choice) -> paths.Choice:
+        call.trace.path = choice.path
+        self.metrics.path.labels(choice.path).inc()
+        return choice
 
     async def _push_once(self, prefill: EngineState, decode: EngineState, call: Call) -> Answer:
         body, chat, trace, tokens = call.body, call.chat, call.trace, call.tokens
         transfer_id = trace.transfer_id = uuid.uuid4().hex
-        # prompt tokens queued on prefill before this one: its prefill legs' and whole requests'
-        ahead = prefill.outstanding_tokens + prefill.local_tokens
+        # prompt tokens queued on prefill before this one (its prefill legs' and whole
+        # requests'), and this one's: what prefill computes, less its likely cached prefix
+        ahead = paths.queued_tokens(prefill)
+        work = paths.uncached(prefill, tokens, call.hashes)
+        remember(prefill, call.hashes)
+        remember(decode, call.hashes)  # pushed KV is cached there too, where it caches
         info = prefill.info
         p_body = prefill_body(body, chat, {"do_remote_decode": True, "transfer_id": transfer_id})
         d_params = {
@@ -237,7 +254,7 @@ class Dispatcher:
         }
         headers = call.leg_headers()
         pool = self.pool
-        pool.acquire(prefill, tokens)
+        pool.acquire(prefill, work)
         pool.acquire(decode, tokens, waiting=True)
         trace.mark("legs_sent")
         p_task = self._track(
@@ -245,13 +262,13 @@ class Dispatcher:
         )
 
         def prefill_ended(task: asyncio.Future) -> None:
-            pool.release(prefill, tokens)
+            pool.release(prefill, work)
             pool.prefill_done(decode)
             if not task.cancelled() and task.exception() is not None:
                 log.debug("prefill leg %s ended with %r", transfer_id, task.exception())
             elif not task.cancelled() and "prefill_answer" in trace.at:
                 seconds = trace.at["prefill_answer"] - trace.at["legs_sent"]
-                prefill.rate.observe(seconds, ahead + tokens)
+                prefill.rate.observe_prompt(seconds, ahead + work)
 
         p_task.add_done_callback(prefill_ended)
 
@@ -326,19 +343,27 @@ class Dispatcher:
         trace, tokens = call.trace, call.tokens
         trace.transfer_id = ""
         held = tokens if engine.info.role == "decode" else 0
-        queued = engine.outstanding_tokens if engine.info.role == "prefill" else 0
-        ahead = engine.local_tokens + queued
-        engine.local_tokens += tokens
+        ahead = paths.queued_tokens(engine)
+        work = paths.uncached(engine, tokens, call.hashes)
+        remember(engine, call.hashes)
+        engine.local_tokens += work
         self.pool.acquire(engine, held)
         trace.mark("legs_sent")
         try:
             headers = call.leg_headers() | FRONT_END_OFF
             answer = await self.run.answer(engine, call.body, headers, call, held_tokens=held)
         finally:
-            engine.local_tokens -= tokens
+            engine.local_tokens -= work
         if call.body.get("stream") and "first_chunk" in trace.at:
-            engine.rate.observe(trace.at["first_chunk"] - trace.at["legs_sent"], ahead + tokens)
+            seconds = trace.at["first_chunk"] - trace.at["legs_sent"]
+            engine.rate.observe_prompt(seconds, ahead + work)
         return answer
+
+    def _ended(self, trace: Trace) -> None:
+        """A request's answer ended: its timeline, and its TPOT into its path's measure."""
+        self.metrics.observe_latency(trace)
+        if trace.status == "ok":
+            self.costs.observe(trace.path, trace.tpot_s)
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
         log.warning(
@@ -356,8 +381,17 @@ class LegRunner:
     prefill's failure up to decode's first chunk (or whole answer). The dispatcher decides
     which legs a request takes; this runs them, over `legs`, counting them in `pool`."""
 
-    def __init__(self, pool: EnginePool, legs: Legs, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        legs: Legs,
+        metrics: ProxyMetrics,
+        ended: Callable[[Trace], None] | None = None,
+    ) -> None:
+        """`ended`: called once with each answer's timeline as it ends (default: recorded in
+        `metrics`)."""
         self.pool, self.legs, self.metrics = pool, legs, metrics
+        self.ended = ended or metrics.observe_latency
 
     async def prefill(
         self, prefill: EngineState, p_body: dict, chat: bool, headers: dict, trace: Trace
@@ -459,9 +493,9 @@ class LegRunner:
             trace.status = "ok" if finished else "ended early"
             # prefill's answer can come after decode's: the timeline waits for it
             if p_task is not None and not p_task.done():
-                p_task.add_done_callback(lambda _: self.metrics.observe_latency(trace))
+                p_task.add_done_callback(lambda _: self.ended(trace))
             else:
-                self.metrics.observe_latency(trace)
+                self.ended(trace)
 
         if first is not None:  # the client's first token is prefill's
             trace.mark("first_token")
@@ -527,6 +561,12 @@ def prefill_body(body: dict, chat: bool, params: dict) -> dict:
     if chat or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
+
+
+def remember(engine: EngineState, hashes: tuple[int, ...]) -> None:
+    """The engine computes (or receives) these prompt blocks: its prefix index holds them."""
+    if engine.prefix is not None and hashes:
+        engine.prefix.add(hashes)
 
 
 def estimate_prompt_tokens(body: dict, chat: bool) -> int:

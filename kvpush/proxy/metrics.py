@@ -128,6 +128,10 @@ class ProxyMetrics:
                 "transfer_id": trace.transfer_id,
                 "status": trace.status,
                 "path": trace.path,
+                "prompt_tokens": trace.prompt_tokens,
+                "streamed": trace.streamed,
+                "chunks": trace.num_chunks,  # streamed chunks: about one a token
+                "tpot_s": trace.tpot_s,  # per streamed chunk after the first
                 "phases_s": phases,
                 # the events too, and when it arrived on this host's monotonic clock, so that
                 # a client on the same host can join its own times to the proxy's

@@ -11,6 +11,7 @@ from functools import partial
 import aiohttp
 
 from kvpush import httpclient
+from kvpush.proxy import paths
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 
@@ -116,17 +117,27 @@ class EnginePool:
         return []
 
     def pick_healthy(
-        self, role: str, prompt_tokens: int, exclude: list[EngineState]
+        self,
+        role: str,
+        prompt_tokens: int,
+        exclude: list[EngineState],
+        hashes: tuple[int, ...] = (),
     ) -> EngineState | None:
         """`pick`, leaving out the engines in `exclude`; None when no engine is left."""
         try:
-            return self.pick(role, prompt_tokens, exclude)
+            return self.pick(role, prompt_tokens, exclude, hashes)
         except ProxyError:
             return None
 
     def pick(
-        self, role: str, prompt_tokens: int, exclude: list[EngineState] | None = None
+        self,
+        role: str,
+        prompt_tokens: int,
+        exclude: list[EngineState] | None = None,
+        hashes: tuple[int, ...] = (),
     ) -> EngineState:
+        """A healthy engine of `role` by the configured policy (`hashes`: the prompt's blocks,
+        for "prefix-aware")."""
         candidates = [
             s
             for s in self.states
@@ -146,7 +157,20 @@ class EnginePool:
                 )
         if self.config.policy == "least-outstanding":
             return min(candidates, key=lambda s: (s.outstanding, s.outstanding_tokens))
-        return candidates[next(self._turn[role]) % len(candidates)]
+        turn = next(self._turn[role]) % len(candidates)
+        if self.config.policy == "round-robin":
+            return candidates[turn]
+        order = candidates[turn:] + candidates[:turn]  # ties: round-robin
+        if role == "decode":  # its work is the streams; a cached prefix is pushed less
+            return min(order, key=lambda s: (s.outstanding, -self._match(s, hashes)))
+        return min(
+            order,
+            key=lambda s: paths.queued_tokens(s) + paths.uncached(s, prompt_tokens, hashes),
+        )
+
+    @staticmethod
+    def _match(s: EngineState, hashes: tuple[int, ...]) -> int:
+        return s.prefix.match_tokens(hashes) if s.prefix is not None else 0
 
     def acquire(self, s: EngineState, tokens: int, waiting: bool = False) -> None:
         s.outstanding += 1
@@ -175,4 +199,7 @@ class EnginePool:
             "outstanding": s.outstanding,
             "outstanding_prompt_tokens": s.outstanding_tokens,
             "waiting_on_prefill": s.waiting_on_prefill,
+            "decoding": s.decoding,
+            # seconds per queued prompt token to the first token (kvpush.proxy.paths)
+            "s_per_token": s.rate.s_per_token,
         }

@@ -43,6 +43,8 @@ class Trace:
     start: float = field(default_factory=time.monotonic)
     at: dict[str, float] = field(default_factory=lambda: {"arrival": 0.0})
     num_chunks: int = 0
+    prompt_tokens: int = 0  # the dispatcher's estimate (dispatch.estimate_prompt_tokens)
+    streamed: bool = False
     reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
     path: str = ""  # the prompt's path (kvpush.proxy.paths): "push", "local" or "whole"
     status: str = ""  # how it ended: "ok", or the failure

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import urllib.request
 
 import pytest
 
@@ -35,6 +38,11 @@ def infos(engines) -> tuple[EngineInfo, ...]:
     )
 
 
+def get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 def paths(url: str) -> dict[str, float]:
     samples = metric_samples(url)
     return {p: samples.get(f'kvpush_proxy_path_total{{path="{p}"}}', 0) for p in ("push", "local")}
@@ -58,28 +66,33 @@ def test_a_prompt_computed_on_decode_answers_as_one_plain_engine(engines, pair, 
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
 
 
-def test_auto_moves_prompts_to_decode_while_prefill_is_queued_and_answers_stay_right(
-    engines, pair, mono_url
-):
-    """One request first (pushed: prefill's time is measured), then a burst of five at once:
-    with prompts queued on prefill, decode (idle, the same hardware) is expected faster for
-    some; both paths are taken, and every answer is one plain engine's."""
+def test_auto_measures_both_paths_then_chooses_and_answers_stay_right(engines, pair, mono_url):
+    """Under `auto` the proxy measures before it chooses: the first streamed request is
+    pushed (prefill's rate and the pushed TPOT), the second served whole (the whole TPOT);
+    then a burst of four at once goes by the costs. Every answer is one plain engine's, and
+    the proxy's averages hold what the engines did."""
     prompts = [tokens(1500, 80 + i) for i in range(6)]
-    with run_server(create_app(ProxyConfig(engines=infos(engines)))) as url:
+    config = ProxyConfig(engines=infos(engines))
+    app = create_app(config)
+    with run_server(app) as url:
 
         async def go():
             async with session() as c:
                 wants = [await plain(c, mono_url, p, 8, logprobs=2) for p in prompts]
-                first = await post(c, url, body(prompts[0], 8, logprobs=2))
+                streamed = [await post(c, url, body(p, 8, stream=True)) for p in prompts[:2]]
                 rest = await asyncio.gather(
-                    *(post(c, url, body(p, 8, logprobs=2)) for p in prompts[1:])
+                    *(post(c, url, body(p, 8, logprobs=2)) for p in prompts[2:])
                 )
-                return wants, [first, *rest]
+                return wants, streamed, rest
 
-        wants, gots = asyncio.run(go())
+        wants, streamed, rest = asyncio.run(go())
         counts = paths(url)
-    assert counts["push"] >= 2 and counts["local"] >= 1, counts
-    for want, got in zip(wants, gots, strict=True):
+        timelines = [t["path"] for t in json.loads(get_text(url + "/timelines"))["timelines"]]
+    assert timelines[:2] == ["push", "local"], timelines
+    assert counts["push"] >= 1 and counts["local"] >= 1, counts
+    for want, got in zip(wants[:2], streamed, strict=True):
+        assert text_of(got) == text_of(want)
+    for want, got in zip(wants[2:], rest, strict=True):
         assert_same_or_near_tie(want, got)
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
 
@@ -113,4 +126,40 @@ def test_a_request_served_whole_by_the_prefill_engine_answers_as_one_plain_engin
     else:
         got = json.loads(raw)["choices"][0]["text"]
     assert got == want
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
+
+
+def test_never_serves_whole_on_both_engines_and_kvpush_plan_reads_the_proxy(
+    engines, pair, mono_url
+):
+    """`never`: four streamed requests at once go whole to both engines (decode's `local`,
+    prefill's `whole`), each answer one plain engine's; then `kvpush plan` reads the proxy's
+    measurements: only whole requests, so no verdict, and the load it measured."""
+    prompts = [tokens(600, 120 + i) for i in range(4)]
+    config = ProxyConfig(engines=infos(engines), disaggregation="never")
+    with run_server(create_app(config)) as url:
+
+        async def go():
+            async with session() as c:
+                wants = [await plain(c, mono_url, p, 8, stream=True) for p in prompts]
+                gots = await asyncio.gather(
+                    *(post(c, url, body(p, 8, stream=True)) for p in prompts)
+                )
+                return wants, gots
+
+        wants, gots = asyncio.run(go())
+        samples = metric_samples(url)
+        counts = {p: samples.get(f'kvpush_proxy_path_total{{path="{p}"}}', 0)
+                  for p in ("push", "local", "whole")}  # fmt: skip
+        planned = subprocess.run(
+            [sys.executable, "-m", "kvpush.cli", "plan", "--url", url, "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert counts["push"] == 0 and counts["local"] >= 1 and counts["whole"] >= 1, counts
+    for want, got in zip(wants, gots, strict=True):
+        assert text_of(got) == text_of(want)
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["verdict"] == "unknown" and plan["whole"]["requests"] == 4, plan
+    assert plan["pushed"] is None and plan["rate_rps"] > 0 and plan["prefill_busy"] > 0
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)

@@ -8,58 +8,107 @@ import asyncio
 
 import pytest
 
-from kvpush.proxy.paths import Choice, Load, PrefillRate, choose
+from kvpush.proxy.config import EngineInfo, EngineState
+from kvpush.proxy.paths import EXPLORE_EVERY, PathCosts, PrefillRate, choose, plain_engine
+from kvpush.proxy.prefix import block_hashes
 from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import Trace
 from tests.proxy.test_dispatch import STREAM, idle, make, until
 
 
-def rate(s: float | None) -> PrefillRate:
-    return PrefillRate(s_per_token=s, samples=0 if s is None else 1)
+def engine(role: str, s_per_token: float | None = None, queued: int = 0, decoding: int = 0):
+    e = EngineState(EngineInfo(f"http://{role}", role, role))
+    e.local_tokens, e.decoding = queued, decoding
+    if s_per_token is not None:
+        e.rate.observe(s_per_token)
+    return e
 
 
-def load(queued: int, s: float | None, decoding: int = 0) -> Load:
-    return Load(queued, decoding, rate(s))
+def costs(push: float | None, plain: float | None) -> PathCosts:
+    c = PathCosts()
+    if push is not None:
+        c.push.observe(push)
+    if plain is not None:
+        c.plain.observe(plain)
+    return c
 
 
-def test_always_pushes_never_computes_on_decode_and_auto_pushes_until_prefill_is_measured():
-    args = (100, load(10_000, 1e-3), load(0, 1e-3), 0.1)
-    assert choose("always", *args).path == "push"
-    assert choose("never", *args).path == "local"
-    assert choose("auto", 100, load(10_000, None), load(0, None), 0.1) == Choice("push")
+def test_always_pushes_never_serves_whole_and_auto_measures_each_path_first():
+    p, d = engine("prefill"), engine("decode")
+    assert choose("always", p, [p, d], PathCosts(), 100, 16).path == "push"
+    never = choose("never", p, [p, d], PathCosts(), 100, 16)
+    assert never.path == "local" and never.engine is d  # a tie: decode first
+    assert choose("auto", p, [p, d], PathCosts(), 100, 16).path == "push"  # prefill unmeasured
+    p.rate.observe(1e-4)
+    first = choose("auto", p, [p, d], PathCosts(), 100, 16)
+    assert first.path == "push" and first.explored  # no pushed TPOT yet
+    second = choose("auto", p, [p, d], costs(0.005, None), 100, 16)
+    assert second.path == "local" and second.explored  # no whole TPOT yet
 
 
-def test_auto_computes_on_decode_only_when_expected_faster_by_the_margin():
-    # an idle pair of equal engines: push (decode's rate taken as prefill's)
-    assert choose("auto", 2048, load(0, 1e-4), load(0, None), 0.1).path == "push"
-    # two prompts queued on prefill: decode, idle, is expected 3x faster
-    got = choose("auto", 2048, load(4096, 1e-4), load(0, 1e-4), 0.1)
-    assert got.path == "local" and got.push_s == pytest.approx(0.6144)
-    assert got.local_s == pytest.approx(0.2048)
-    # decode measured slower (its decodes slow its prefills): push unless it still wins
-    assert choose("auto", 2048, load(2048, 1e-4), load(0, 1.9e-4), 0.1).path == "push"
-    assert choose("auto", 2048, load(2048, 1e-4), load(0, 1.7e-4), 0.1).path == "local"
-    # within the margin: push
-    assert choose("auto", 1000, load(100, 1e-4), load(0, 1e-4), 0.1).path == "push"
+def test_auto_takes_the_path_expected_to_end_the_request_sooner():
+    p, d = engine("prefill", 1e-4), engine("decode", 1e-4)
+    # both idle, equal rates: the TPOT decides, over max_tokens - 1 tokens
+    got = choose("auto", p, [p, d], costs(push=0.007, plain=0.005), 2000, 33)
+    assert got.path == "local" and got.engine is d
+    assert got.push_s == pytest.approx(0.2 + 32 * 0.007)
+    assert got.plain_s == pytest.approx(0.2 + 32 * 0.005)
+    assert choose("auto", p, [p, d], costs(push=0.005, plain=0.007), 2000, 33).path == "push"
+    # a queue on both plain engines outweighs a slower TPOT: push
+    p2, d2 = engine("prefill", 1e-4), engine("decode", 1e-4, queued=4000)
+    p2.outstanding_tokens = 0
+    plain = [engine("prefill", 1e-4, queued=4000), d2]
+    assert choose("auto", p2, plain, costs(push=0.007, plain=0.005), 2000, 33).path == "push"
+    # a margin: whole only when sooner by that fraction
+    near = costs(push=0.0052, plain=0.005)
+    assert choose("auto", p, [p, d], near, 2000, 33, margin=0.1).path == "push"
 
 
-def test_a_prompt_computed_on_prefill_is_decoded_there_when_decode_has_more_decoding():
-    assert choose("auto", 2048, load(0, 1e-4, 0), load(0, 1e-4, 1), 0.1).path == "push"
-    assert choose("auto", 2048, load(0, 1e-4, 0), load(0, 1e-4, 2), 0.1).path == "whole"
-    assert choose("auto", 2048, load(0, 1e-4, 1), load(0, 1e-4, 2), 0.1).path == "push"
-    # a prompt decode would compute sooner stays local, whatever is decoding where
-    assert choose("auto", 2048, load(4096, 1e-4, 0), load(0, 1e-4, 5), 0.1).path == "local"
+def test_one_request_in_explore_every_takes_the_other_path():
+    p, d = engine("prefill", 1e-4), engine("decode", 1e-4)
+    c = costs(push=0.007, plain=0.005)
+    got = [choose("auto", p, [p, d], c, 2000, 33) for _ in range(2 * EXPLORE_EVERY)]
+    pushed = [i for i, g in enumerate(got) if g.path == "push"]
+    assert pushed == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert all(got[i].explored for i in pushed)
+
+
+def test_the_plain_engine_is_the_least_loaded_then_the_one_holding_the_prefix():
+    p, d = engine("prefill"), engine("decode")
+    assert plain_engine([p, d], 100) is d  # a tie: decode first
+    d.local_tokens = 500
+    assert plain_engine([p, d], 100) is p
+    d.local_tokens = 0
+    d.decoding = 2
+    assert plain_engine([p, d], 100) is p
+    # prefill holds the prompt's prefix (decode keeps no prefix cache): prefill, less work
+    d.decoding = 0
+    body = {"prompt": list(range(256))}
+    hashes = block_hashes(body, chat=False)
+    assert p.prefix is not None and d.prefix is None
+    p.prefix.add(hashes[:4])
+    assert plain_engine([p, d], 256, hashes) is p
 
 
 def test_a_rate_is_a_moving_average_of_seconds_per_queued_token():
     r = PrefillRate()
-    r.observe(0.2, 2000)
+    r.observe_prompt(0.2, 2000)
     assert r.s_per_token == pytest.approx(1e-4) and r.samples == 1
-    r.observe(0.6, 2000)  # 3e-4 moves the average a fifth of the way
+    r.observe_prompt(0.6, 2000)  # 3e-4 moves the average a fifth of the way
     assert r.s_per_token == pytest.approx(1.4e-4)
-    r.observe(0.0, 2000)  # nothing to learn from
-    r.observe(0.1, 0)
+    r.observe_prompt(0.0, 2000)  # nothing to learn from
+    r.observe_prompt(0.1, 0)
     assert r.samples == 2
+
+
+def test_path_costs_take_each_finished_streams_tpot_into_its_paths_average():
+    c = PathCosts()
+    c.observe("push", 0.006)
+    c.observe("whole", 0.004)
+    c.observe("local", 0.009)  # local and whole are one measure: served whole
+    c.observe("push", None)  # not streamed
+    assert c.push.value == pytest.approx(0.006) and c.push.samples == 1
+    assert c.plain.value == pytest.approx(0.004 + 0.2 * 0.005) and c.plain.samples == 2
 
 
 def test_the_dispatcher_sends_a_local_request_whole_to_decode_and_counts_its_path():
@@ -95,7 +144,9 @@ def test_auto_measures_prefill_and_moves_a_prompt_to_decode_when_prefill_is_queu
         (await task).finish(True)
         await until(lambda: prefill.rate.samples == 1)
         assert first.path == "push"
-        # a long queue on prefill (as other requests would leave it): the next goes local
+        # both TPOTs measured, equal; a long queue on prefill (as other requests would
+        # leave it): the next goes local
+        dispatcher.costs = costs(0.005, 0.005)
         prefill.outstanding_tokens = 1_000_000
         second = Trace(None)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, second))
@@ -115,8 +166,11 @@ def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one(
     async def go():
         dispatcher, pool, legs, abandoner = make(num_prefill=1, connector="kvpush")
         prefill, decode = pool.states
-        prefill.rate.observe(0.2, 2000)  # measured, and decode busy decoding two streams
+        # measured, whole requests' TPOT the better, and decode busy decoding two streams:
+        # the plain engine is prefill
+        prefill.rate.observe_prompt(0.2, 2000)
         decode.decoding = 2
+        dispatcher.costs = costs(push=0.007, plain=0.005)
         trace = Trace(None)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.decode_calls)
@@ -161,9 +215,7 @@ def test_never_serves_whole_requests_on_every_engine_as_plain_replicas():
     async def go():
         dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush", disaggregation="never")
         traces = [Trace(None), Trace(None)]
-        tasks = [
-            asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, t)) for t in traces
-        ]
+        tasks = [asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, t)) for t in traces]
         await until(lambda: len(legs.decode_calls) == 2)
         assert [engine for engine, _ in legs.decode_calls] == ["d0", "p0"]
         assert [t.path for t in traces] == ["local", "whole"] and legs.prefill_calls == []
@@ -197,3 +249,29 @@ def test_bad_settings_are_refused_naming_the_accepted_ones():
         ProxyConfig(engines=engines, disaggregation="sometimes")
     with pytest.raises(ValueError, match=r"local_margin must be in \[0, 1\)"):
         ProxyConfig(engines=engines, local_margin=1.5)
+
+
+def test_prefill_engines_are_picked_for_the_prefix_they_hold_and_tpot_is_measured_per_path():
+    """Two prefill engines: a prompt sharing the first one's prefix goes there again, where
+    round-robin would send it to the second; new prompts (a tie) go round-robin. Each
+    streamed answer's TPOT goes into its path's average."""
+
+    async def go():
+        dispatcher, pool, legs, _ = make(num_prefill=2, connector="kvpush", disaggregation="always")
+        shared = list(range(1000, 1512))
+        prompts = [shared + [1], shared + [2], list(range(5000, 5512)), list(range(6000, 6512))]
+        sent = []
+        for i, prompt in enumerate(prompts):
+            body = dict(STREAM, prompt=prompt)
+            task = asyncio.ensure_future(dispatcher.dispatch(body, False, {}, Trace(None)))
+            await until(lambda i=i: len(legs.prefill_calls) == i + 1 and legs.decodes[i:])
+            sent.append(legs.prefill_calls[i][0])
+            legs.prefills[i].set_result(b'{"choices": [{"text": "x"}]}')
+            legs.decodes[i].answer(b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
+            answer = await task
+            await relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        assert sent == ["p0", "p0", "p0", "p1"]
+        assert dispatcher.costs.push.samples == 4 and dispatcher.costs.plain.samples == 0
+        assert idle(pool)
+
+    asyncio.run(go())
