@@ -297,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-prompts", type=int, default=defaults.NUM_PROMPTS, help="requests a point"
     )
     bserve.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="prompts open with one of --num-prefixes shared prefixes of this many tokens "
+        "(a prefix-cache workload: system prompts, multi-turn chat); 0: every prompt fresh",
+    )
+    bserve.add_argument(
+        "--num-prefixes", type=int, default=0, help="shared prefixes, for --shared-prefix"
+    )
+    bserve.add_argument(
         "--seed",
         type=int,
         help="the prompts' seed (default: a new one each run, printed and recorded, so no "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,29 @@ def new_seed() -> int:
     return secrets.randbelow(2**31)
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Prompts in `num_prefixes` groups, each group's prompts opening with the same
+    `prefix_len` tokens (a system prompt, a shared document, a conversation so far), the rest
+    fresh; the groups' order shuffled. The prefixes are fresh too: new to every engine."""
+
+    prefix_len: int
+    num_prefixes: int
+
+    def __post_init__(self) -> None:
+        if self.prefix_len < HEAD_TOKENS or self.num_prefixes < 1:
+            raise ValueError(
+                f"a shared prefix needs >= {HEAD_TOKENS} tokens and >= 1 prefix, got {self}"
+            )
+
+
 class PromptSource:
     """Prompt sets for one run, each named by a key (a tuple of str, int and float)."""
 
-    def __init__(self, tokenizer: str, seed: int) -> None:
+    def __init__(self, tokenizer: str, seed: int, shared: SharedPrefix | None = None) -> None:
         from transformers import AutoTokenizer
 
-        self.seed = seed
+        self.seed, self.shared = seed, shared
         self.tokenizer: Any = AutoTokenizer.from_pretrained(tokenizer)
         special = set(self.tokenizer.all_special_ids)
         self._allowed = np.array([t for t in range(self.tokenizer.vocab_size) if t not in special])
@@ -48,8 +65,6 @@ class PromptSource:
 
     def prompts(self, key: tuple, num_prompts: int, input_len: int) -> list[str]:
         """`num_prompts` prompts of exactly `input_len` tokens, the same for the same key."""
-        from vllm.benchmarks.datasets import gen_prompt_decode_to_target_len
-
         if key in self._sets:
             made = self._sets[key]
             if len(made) != num_prompts or self.num_tokens(made[0]) != input_len:
@@ -58,26 +73,46 @@ class PromptSource:
         if input_len < HEAD_TOKENS:
             raise ValueError(f"input_len must be >= {HEAD_TOKENS} tokens, got {input_len}")
         rng = np.random.default_rng(self._entropy(key))
+        shared = self.shared
+        if shared is not None and shared.prefix_len >= input_len:
+            raise ValueError(f"the shared prefix ({shared.prefix_len}) must be < {input_len}")
+        prefixes: list[list[int]] = []
+        if shared is not None:  # each prefix's head new to the run; its prompts share it
+            prefixes = [
+                self._draw(rng, key, shared.prefix_len)[1] for _ in range(shared.num_prefixes)
+            ]
         made = []
-        for _ in range(num_prompts):
-            for _ in range(MAX_DRAWS):
-                ids = self._allowed[rng.integers(0, len(self._allowed), input_len)].tolist()
-                text, _, _ = gen_prompt_decode_to_target_len(
-                    self.tokenizer, ids, input_len, add_special_tokens=False, rng=rng
-                )
-                tokens = self.tokenizer(text).input_ids
-                head = tuple(tokens[:HEAD_TOKENS])
-                if len(tokens) == input_len and head not in self._heads:
-                    self._heads[head] = key
-                    made.append(text)
-                    break
-            else:
-                raise RuntimeError(
-                    f"no fresh prompt of exactly {input_len} tokens in {MAX_DRAWS} draws "
-                    f"(set {key}): the tokenizer cannot hit that length"
-                )
+        for i in range(num_prompts):
+            prefix = prefixes[i % len(prefixes)] if prefixes else []
+            made.append(self._draw(rng, key, input_len, prefix)[0])
+        if prefixes:
+            made = [made[i] for i in rng.permutation(len(made))]
         self._sets[key] = made
         return made
+
+    def _draw(
+        self, rng: np.random.Generator, key: tuple, length: int, prefix: list[int] | None = None
+    ) -> tuple[str, list[int]]:
+        """A prompt of exactly `length` tokens (text and ids), opening with `prefix`; without
+        one, its head new to the run."""
+        from vllm.benchmarks.datasets import gen_prompt_decode_to_target_len
+
+        prefix = prefix or []
+        for _ in range(MAX_DRAWS):
+            drawn = self._allowed[rng.integers(0, len(self._allowed), length - len(prefix))]
+            text, _, _ = gen_prompt_decode_to_target_len(
+                self.tokenizer, prefix + drawn.tolist(), length, add_special_tokens=False, rng=rng
+            )
+            tokens = self.tokenizer(text).input_ids
+            head = tuple(tokens[:HEAD_TOKENS])
+            if len(tokens) == length and (prefix or head not in self._heads):
+                if not prefix:
+                    self._heads[head] = key
+                return text, tokens
+        raise RuntimeError(
+            f"no fresh prompt of exactly {length} tokens in {MAX_DRAWS} draws (set {key}): "
+            "the tokenizer cannot hit that length"
+        )
 
     def write(self, folder: Path, key: tuple, num_prompts: int, input_len: int) -> Path:
         """The set as `vllm bench serve`'s custom dataset (JSONL, one `prompt` a line)."""

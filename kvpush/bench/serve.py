@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from kvpush.bench import defaults, plan, vllm_bench
-from kvpush.bench.prompts import PromptSource, new_seed
+from kvpush.bench.prompts import PromptSource, SharedPrefix, new_seed
 from kvpush.bench.slo import SloConfig, attainment
 from kvpush.bench.stacks import ALL_MODES, FRONT_END, connector_of, describe, mode_stack, mode_url
 
@@ -118,7 +118,13 @@ def sweep(
                             "engines": engines,  # how each engine ran (None: --url)
                             "hardware": hardware(),
                             "created_unix_s": int(time.time()),
-                            "prompts": {"seed": prompts.seed, "set": list(key)},
+                            "prompts": {
+                                "seed": prompts.seed,
+                                "set": list(key),
+                                "shared_prefix": dataclasses.asdict(prompts.shared)
+                                if prompts.shared
+                                else None,
+                            },
                             "prefix_cache": changes(before, after),
                             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
                             "proxy_phases_ms": proxy_phases(recent),
@@ -285,6 +291,11 @@ def main(args: argparse.Namespace) -> int:
         if args.num_prompts < 1 or args.iterations < 1 or args.rounds < 1:
             raise ValueError("--num-prompts, --iterations and --rounds must be >= 1")
         slo = SloConfig(args.slo_ttft_ms, args.slo_tpot_ms)
+        shared = None
+        if args.shared_prefix or args.num_prefixes:
+            shared = SharedPrefix(args.shared_prefix, args.num_prefixes or 1)
+            if shared.prefix_len >= min(grid["input_lens"]):
+                raise ValueError("--shared-prefix must be shorter than every --input-lens")
     except ValueError as e:
         print(f"kvpush bench serve: {e}", file=sys.stderr)
         return 2
@@ -309,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else new_seed()
     print(f"kvpush bench serve: prompts from seed {seed} (--seed {seed} sends the same again)",
           flush=True)  # fmt: skip
-    prompts = PromptSource(tokenizer, seed)
+    prompts = PromptSource(tokenizer, seed, shared)
     if args.url:
         grid["iterations"] *= args.rounds  # one endpoint: no stacks to take in turn
         url = args.url.rstrip("/")

@@ -72,18 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disaggregation",
         choices=DISAGGREGATION,
         default=None,
-        help="kvpush: per request, push the prompt from a prefill engine or compute it on the "
-        "decode engine, whichever is expected faster from measured costs (auto); push every "
+        help="kvpush: disaggregate where it pays, measured: every prompt pushed, or every "
+        "engine a plain replica, whichever recent requests say ends requests sooner (auto); "
+        "push every "
         "prompt (always); push none: every engine serves whole requests, as plain replicas "
         "(never) "
         f"(default: {ProxyConfig.disaggregation})",
-    )
-    p.add_argument(
-        "--local-margin",
-        type=float,
-        default=None,
-        help="auto: how much faster (a fraction) decode must be expected to be to compute a "
-        f"prompt itself (default: {ProxyConfig.local_margin:g})",
     )
     p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port")
@@ -141,7 +135,6 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         "request_timeout_s",
         "first_token",
         "disaggregation",
-        "local_margin",
     )
     for name in names:
         if getattr(args, name) is not None:

@@ -75,12 +75,10 @@ class ProxyConfig:
     # kvpush, streamed: the client's first token is prefill's, sent as soon as prefill answers,
     # where the decode engine declares `forces_first_token`; False: always decode's
     first_token: bool = True
-    # kvpush: per request, push the prompt from a prefill engine or serve the request whole on
-    # one engine, whichever is expected to end it sooner ("auto"; kvpush.proxy.paths);
-    # "always" pushes every prompt, "never" none (every engine a plain replica)
+    # kvpush: every prompt pushed, or every engine a plain replica, whichever recent requests
+    # say ends requests sooner ("auto"; kvpush.proxy.paths); "always" pushes every prompt,
+    # "never" none
     disaggregation: str = "auto"
-    # "auto": a request is served whole only when expected sooner by this fraction
-    local_margin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
@@ -96,8 +94,6 @@ class ProxyConfig:
             raise ValueError(
                 f"disaggregation must be one of {DISAGGREGATION}, got {self.disaggregation!r}"
             )
-        if not 0 <= self.local_margin < 1:
-            raise ValueError(f"local_margin must be in [0, 1), got {self.local_margin}")
         if self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
         for e in self.engines:

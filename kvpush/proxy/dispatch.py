@@ -137,7 +137,7 @@ class Dispatcher:
     ) -> None:
         self.config, self.pool, self.legs, self.metrics = config, pool, legs, metrics
         self.abandoner = abandoner
-        self.costs = paths.PathCosts()  # measured TPOT per path (kvpush.proxy.paths)
+        self.ways = paths.Ways()  # auto's measure of its two ways (kvpush.proxy.paths)
         self.run = LegRunner(pool, legs, metrics, self._ended)
         # tasks that outlive the handler that started them: prefill legs (a streamed answer
         # can end before prefill's does)
@@ -201,7 +201,7 @@ class Dispatcher:
             if prefill is None:
                 break
             if not tried:  # a re-send does not choose again
-                choice = self._choose(prefill, call)
+                choice = self._choose(call)
                 if choice.engine is not None:
                     return await self._whole(choice.engine, call)
             try:
@@ -211,17 +211,13 @@ class Dispatcher:
                 self._rerouted(call.trace, prefill, e)
         return await self._local(decode, call)
 
-    def _choose(self, prefill: EngineState, call: Call) -> paths.Choice:
+    def _choose(self, call: Call) -> paths.Choice:
         """The prompt's path (kvpush.proxy.paths), counted and in its timeline. Only kvpush
         chooses; vLLM's own connectors always push."""
         config = self.config
         mode = config.disaggregation if config.connector == "kvpush" else "always"
         plain = [s for s in self.pool.states if s.healthy]
-        choice = paths.choose(
-            mode, prefill, plain, self.costs, call.tokens, paths.max_tokens_of(call.body),
-            call.hashes, config.local_margin,
-        )  # fmt: skip
-        return self._count(call, choice)
+        return self._count(call, paths.choose(mode, plain, self.ways, call.tokens, call.hashes))
 
     def _count(self, call: Call, choice: paths.Choice) -> paths.Choice:
         call.trace.path = choice.path
@@ -363,7 +359,8 @@ class Dispatcher:
         """A request's answer ended: its timeline, and its TPOT into its path's measure."""
         self.metrics.observe_latency(trace)
         if trace.status == "ok":
-            self.costs.observe(trace.path, trace.tpot_s)
+            ttft = trace.at.get("first_token")
+            self.ways.observe(trace.path, ttft, trace.tpot_s, trace.num_chunks)
 
     def _rerouted(self, trace: Trace, prefill: EngineState, error: PrefillLost) -> None:
         log.warning(

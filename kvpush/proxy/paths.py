@@ -7,28 +7,28 @@
 
 Disaggregation pays only where prefill's interference with decode costs more than the split
 itself: a prefill engine has a share of the hardware, and the decode engine carries every
-pushed request's decoding. So the choice is made from what the proxy measures on every
-request, in the two terms of a request's time to its last token:
+pushed request's decoding. Whether it pays depends on the hardware, the model and the load, so
+`auto` measures it, between two ways of serving (`Ways`):
 
-- **to the first token**: the prompt tokens queued on an engine ahead of this one plus this
-  prompt's own (less what the engine likely holds in its prefix cache: `prefix.py`), times
-  that engine's measured seconds per queued prompt token (`PrefillRate`, a moving average over
-  its recent requests, queueing and interference included);
-- **per token after it**: the measured TPOT of recent pushed requests, and of recent requests
-  served whole (`PathCosts`), each under whatever else shared their engine: decode's batch and
-  the prompts it computed itself for pushed requests, the engine's other prompts for whole
-  ones.
+- `split`: every prompt pushed, decoding on the decode engines only;
+- `plain`: every engine, prefill or decode, a plain replica, each request whole on the engine
+  a plain replica's front would pick (`plain_engine`: the fewest prompt tokens to compute, its
+  likely cached prefix left out, then the fewest streams decoding).
 
-The plain candidate is the engine of either role a plain replica's front would pick
-(`plain_engine`: least queued, then least decoding). `auto` takes the path expected to end the
-request sooner (TTFT + (max_tokens - 1) x TPOT); every `EXPLORE_EVERY`-th request takes the
-other, so that both measures stay current as the load moves. Until prefill is measured every
-prompt is pushed; until each TPOT is, its path is taken. `always`: every prompt pushed (kvpush
-before issue 44). `never`: no prompt pushed, every engine a plain replica.
+Mixing the two per request is worse than either (measured, docs/benchmarks.md): a prompt
+computed on the decode engine stalls every pushed stream there, which is the interference
+disaggregation exists to remove. So `auto` serves one way, sends one request in
+`EXPLORE_EVERY` the other way so that both stay measured, and moves to the other way when its
+recent requests would have ended sooner: median TTFT + (median tokens - 1) x median TPOT over
+each way's last `WINDOW` finished streams, by more than `MARGIN`. It starts by alternating
+until each way has `MIN_SAMPLES` requests. `always`: every prompt pushed (kvpush before issue
+44). `never`: every engine a plain replica.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,8 +38,12 @@ if TYPE_CHECKING:
 
 DISAGGREGATION = ("auto", "always", "never")
 PATHS = ("push", "local", "whole")
-EXPLORE_EVERY = 8  # one request in this many takes the path not chosen
-DEFAULT_MAX_TOKENS = 16  # vLLM's completions default, when the request names none
+SPLIT, PLAIN = "split", "plain"
+WAYS = (SPLIT, PLAIN)
+EXPLORE_EVERY = 8  # one request in this many takes the way not chosen
+MIN_SAMPLES = 4  # requests of each way before `auto` compares them
+WINDOW = 24  # finished streams per way whose medians are compared
+MARGIN = 0.05  # the other way must be this much sooner to be taken
 _WEIGHT = 0.2  # of each new observation in the averages: the last ten or so requests count
 
 
@@ -72,26 +76,57 @@ class PrefillRate(Average):
 
 
 @dataclass
-class PathCosts:
-    """The measured TPOT of pushed requests and of requests served whole (seconds)."""
+class Ways:
+    """`auto`'s two ways of serving, measured: the way for each next request."""
 
-    push: Average = field(default_factory=Average)
-    plain: Average = field(default_factory=Average)
-    turn: int = 0  # requests chosen so far, for exploration
+    current: str = SPLIT
+    turn: int = 0
+    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WAYS, 0))
+    # per way: the last WINDOW finished streams' (TTFT s, TPOT s, chunks)
+    done: dict[str, deque] = field(default_factory=lambda: {w: deque(maxlen=WINDOW) for w in WAYS})
 
-    def observe(self, path: str, tpot_s: float | None) -> None:
-        if tpot_s is None or tpot_s <= 0 or path not in PATHS:
+    def next(self) -> tuple[str, bool]:
+        """The way for the next request, and whether it is taken to measure that way."""
+        self.turn += 1
+        fewest = min(WAYS, key=lambda w: self.sent[w])
+        if self.sent[fewest] < MIN_SAMPLES:
+            way, explored = fewest, True
+        else:
+            self._decide()
+            explored = self.turn % EXPLORE_EVERY == 0
+            way = _other(self.current) if explored else self.current
+        self.sent[way] += 1
+        return way, explored
+
+    def observe(self, path: str, ttft_s: float | None, tpot_s: float | None, chunks: int) -> None:
+        """A stream served `path` ended well."""
+        if path not in PATHS or ttft_s is None or tpot_s is None or tpot_s <= 0:
             return
-        (self.push if path == "push" else self.plain).observe(tpot_s)
+        self.done[SPLIT if path == "push" else PLAIN].append((ttft_s, tpot_s, chunks))
+
+    def cost(self, way: str) -> float | None:
+        """The seconds a recent request served this way took to its last token (medians)."""
+        done = self.done[way]
+        if len(done) < MIN_SAMPLES:
+            return None
+        ttft, tpot, chunks = (statistics.median(x) for x in zip(*done, strict=True))
+        return ttft + max(chunks - 1, 0) * tpot
+
+    def _decide(self) -> None:
+        here, there = self.cost(self.current), self.cost(_other(self.current))
+        if here is not None and there is not None and there < here * (1 - MARGIN):
+            self.current = _other(self.current)
+
+
+def _other(way: str) -> str:
+    return PLAIN if way == SPLIT else SPLIT
 
 
 @dataclass(frozen=True)
 class Choice:
     path: str
     engine: EngineState | None = None  # the engine serving it whole (`local`, `whole`)
-    push_s: float | None = None  # the expected time to the last token on each path
-    plain_s: float | None = None
-    explored: bool = False  # taken to keep the other path's measure current
+    explored: bool = False  # taken to measure its way (`auto`)
 
 
 def queued_tokens(s: EngineState) -> int:
@@ -125,53 +160,21 @@ def plain_engine(
     )
 
 
-def first_token_s(s: EngineState, tokens: int, hashes: tuple[int, ...], rate: float) -> float:
-    return (queued_tokens(s) + uncached(s, tokens, hashes)) * rate
-
-
 def choose(
     mode: str,
-    prefill: EngineState,
     plain: list[EngineState],
-    costs: PathCosts,
+    ways: Ways,
     tokens: int,
-    max_tokens: int,
     hashes: tuple[int, ...] = (),
-    margin: float = 0.0,
 ) -> Choice:
-    """The path of a prompt of `tokens` (`hashes`: its blocks, prefix.py) to be answered with
-    up to `max_tokens`: pushed from `prefill`, or whole on one of `plain` (the healthy engines
-    that may serve it whole). `margin`: a plain path must be expected sooner by this
-    fraction."""
+    """The path of a prompt of `tokens` (`hashes`: its blocks, prefix.py): pushed, or whole
+    on one of `plain` (the healthy engines that may serve it whole)."""
     if mode == "always" or not plain:
         return Choice("push")
+    explored = False
+    if mode == "auto":
+        way, explored = ways.next()
+        if way == SPLIT:
+            return Choice("push", explored=explored)
     engine = plain_engine(plain, tokens, hashes)
-    plain_choice = Choice("local" if engine.info.role == "decode" else "whole", engine)
-    if mode == "never":
-        return plain_choice
-    s_p = prefill.rate.s_per_token
-    if s_p is None:  # measure prefill first
-        return Choice("push")
-    if costs.push.value is None:
-        return Choice("push", explored=True)
-    if costs.plain.value is None:
-        return Choice(plain_choice.path, engine, explored=True)
-    s_e = engine.rate.s_per_token if engine.rate.s_per_token is not None else s_p
-    after = max(max_tokens - 1, 0)
-    push_s = first_token_s(prefill, tokens, hashes, s_p) + after * costs.push.value
-    plain_s = first_token_s(engine, tokens, hashes, s_e) + after * costs.plain.value
-    plain_wins = plain_s < push_s * (1 - margin)
-    costs.turn += 1
-    explore = costs.turn % EXPLORE_EVERY == 0
-    if plain_wins != explore:
-        return Choice(plain_choice.path, engine, push_s, plain_s, explore)
-    return Choice("push", None, push_s, plain_s, explore)
-
-
-def max_tokens_of(body: dict) -> int:
-    """The most tokens a request may be answered with, as it says (else vLLM's default)."""
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return DEFAULT_MAX_TOKENS
+    return Choice("local" if engine.info.role == "decode" else "whole", engine, explored)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.bench.prompts import HEAD_TOKENS, PromptSource
+from kvpush.bench.prompts import HEAD_TOKENS, PromptSource, SharedPrefix
 from kvpush.bench.serve import point_key, rounds, warm_up_key
 
 
@@ -64,3 +64,30 @@ def test_the_custom_dataset_file_holds_one_prompt_a_line(tmp_path, source):
     path = source.write(tmp_path, point_key(101, 1.0, 64, 4), 4, 64)
     lines = path.read_text().splitlines()
     assert len(lines) == 4 and all(json.loads(x)["prompt"] for x in lines)
+
+
+def test_shared_prefix_prompts_share_their_groups_prefix_and_nothing_else(tiny_model):
+    """`--shared-prefix 64 --num-prefixes 2`: each prompt of the exact length opens with one
+    of its set's two prefixes (in shuffled order), the rest fresh; another set's prefixes
+    are other ones; the same seed gives the same prompts."""
+    shared = SharedPrefix(prefix_len=64, num_prefixes=2)
+    source = PromptSource(str(tiny_model), seed=11, shared=shared)
+    made = source.prompts(("point", 1), 6, 128)
+    ids = [source.tokenizer(t).input_ids for t in made]
+    assert all(len(t) == 128 for t in ids)
+    # blocks of 32 tokens: the first block of the prefix is what an engine's cache matches
+    groups = {tuple(t[:32]) for t in ids}
+    assert len(groups) == 2
+    assert len({tuple(t[96:]) for t in ids}) == 6  # the suffixes all differ
+    other = source.prompts(("point", 2), 6, 128)
+    assert not groups & {tuple(source.tokenizer(t).input_ids[:32]) for t in other}
+    again = PromptSource(str(tiny_model), seed=11, shared=shared).prompts(("point", 1), 6, 128)
+    assert again == made
+
+
+def test_a_shared_prefix_must_fit_the_prompt(tiny_model):
+    with pytest.raises(ValueError, match="shared prefix"):
+        SharedPrefix(prefix_len=4, num_prefixes=1)
+    source = PromptSource(str(tiny_model), seed=1, shared=SharedPrefix(64, 1))
+    with pytest.raises(ValueError, match="must be < 64"):
+        source.prompts(("k",), 2, 64)

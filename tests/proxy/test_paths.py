@@ -9,68 +9,80 @@ import asyncio
 import pytest
 
 from kvpush.proxy.config import EngineInfo, EngineState
-from kvpush.proxy.paths import EXPLORE_EVERY, PathCosts, PrefillRate, choose, plain_engine
+from kvpush.proxy.paths import (
+    EXPLORE_EVERY,
+    MIN_SAMPLES,
+    PLAIN,
+    SPLIT,
+    PrefillRate,
+    Ways,
+    choose,
+    plain_engine,
+)
 from kvpush.proxy.prefix import block_hashes
 from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import Trace
 from tests.proxy.test_dispatch import STREAM, idle, make, until
 
 
-def engine(role: str, s_per_token: float | None = None, queued: int = 0, decoding: int = 0):
+def engine(role: str, queued: int = 0, decoding: int = 0) -> EngineState:
     e = EngineState(EngineInfo(f"http://{role}", role, role))
     e.local_tokens, e.decoding = queued, decoding
-    if s_per_token is not None:
-        e.rate.observe(s_per_token)
     return e
 
 
-def costs(push: float | None, plain: float | None) -> PathCosts:
-    c = PathCosts()
-    if push is not None:
-        c.push.observe(push)
-    if plain is not None:
-        c.plain.observe(plain)
-    return c
+def measured(split: tuple[float, float], plain: tuple[float, float], n: int = 8) -> Ways:
+    """Ways past their first requests, each with `n` streams of 32 tokens (TTFT s, TPOT s)."""
+    ways = Ways(sent={SPLIT: n, PLAIN: n})
+    for _ in range(n):
+        ways.observe("push", *split, 32)
+        ways.observe("local", *plain, 32)
+    return ways
 
 
-def test_always_pushes_never_serves_whole_and_auto_measures_each_path_first():
+def test_always_pushes_never_serves_whole_and_auto_measures_both_ways_first():
     p, d = engine("prefill"), engine("decode")
-    assert choose("always", p, [p, d], PathCosts(), 100, 16).path == "push"
-    never = choose("never", p, [p, d], PathCosts(), 100, 16)
+    assert choose("always", [p, d], Ways(), 100).path == "push"
+    never = choose("never", [p, d], Ways(), 100)
     assert never.path == "local" and never.engine is d  # a tie: decode first
-    assert choose("auto", p, [p, d], PathCosts(), 100, 16).path == "push"  # prefill unmeasured
-    p.rate.observe(1e-4)
-    first = choose("auto", p, [p, d], PathCosts(), 100, 16)
-    assert first.path == "push" and first.explored  # no pushed TPOT yet
-    second = choose("auto", p, [p, d], costs(0.005, None), 100, 16)
-    assert second.path == "local" and second.explored  # no whole TPOT yet
+    ways = Ways()
+    first = [choose("auto", [p, d], ways, 100) for _ in range(2 * MIN_SAMPLES)]
+    assert [c.path for c in first] == ["push", "local"] * MIN_SAMPLES
+    assert all(c.explored for c in first)
 
 
-def test_auto_takes_the_path_expected_to_end_the_request_sooner():
-    p, d = engine("prefill", 1e-4), engine("decode", 1e-4)
-    # both idle, equal rates: the TPOT decides, over max_tokens - 1 tokens
-    got = choose("auto", p, [p, d], costs(push=0.007, plain=0.005), 2000, 33)
-    assert got.path == "local" and got.engine is d
-    assert got.push_s == pytest.approx(0.2 + 32 * 0.007)
-    assert got.plain_s == pytest.approx(0.2 + 32 * 0.005)
-    assert choose("auto", p, [p, d], costs(push=0.005, plain=0.007), 2000, 33).path == "push"
-    # a queue on both plain engines outweighs a slower TPOT: push
-    p2, d2 = engine("prefill", 1e-4), engine("decode", 1e-4, queued=4000)
-    p2.outstanding_tokens = 0
-    plain = [engine("prefill", 1e-4, queued=4000), d2]
-    assert choose("auto", p2, plain, costs(push=0.007, plain=0.005), 2000, 33).path == "push"
-    # a margin: whole only when sooner by that fraction
-    near = costs(push=0.0052, plain=0.005)
-    assert choose("auto", p, [p, d], near, 2000, 33, margin=0.1).path == "push"
+def test_auto_serves_the_way_whose_recent_requests_ended_sooner():
+    p, d = engine("prefill"), engine("decode")
+    # pushed: 0.25 s + 31 x 7 ms = 0.467 s; whole: 0.25 s + 31 x 5 ms = 0.405 s
+    ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
+    assert ways.cost(SPLIT) == pytest.approx(0.25 + 31 * 0.007)
+    assert choose("auto", [p, d], ways, 100).path == "local" and ways.current == PLAIN
+    # the other way round: back to pushing
+    ways = measured(split=(0.25, 0.005), plain=(0.25, 0.007))
+    assert choose("auto", [p, d], ways, 100).path == "push" and ways.current == SPLIT
+    # within the margin (5 %): the current way stays
+    ways = measured(split=(0.25, 0.0052), plain=(0.25, 0.005))
+    assert choose("auto", [p, d], ways, 100).path == "push"
 
 
-def test_one_request_in_explore_every_takes_the_other_path():
-    p, d = engine("prefill", 1e-4), engine("decode", 1e-4)
-    c = costs(push=0.007, plain=0.005)
-    got = [choose("auto", p, [p, d], c, 2000, 33) for _ in range(2 * EXPLORE_EVERY)]
-    pushed = [i for i, g in enumerate(got) if g.path == "push"]
-    assert pushed == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
-    assert all(got[i].explored for i in pushed)
+def test_one_request_in_explore_every_takes_the_other_way():
+    p, d = engine("prefill"), engine("decode")
+    ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
+    got = [choose("auto", [p, d], ways, 100) for _ in range(2 * EXPLORE_EVERY)]
+    pushed = [i for i, c in enumerate(got) if c.path == "push"]
+    assert len(pushed) == 2 and all(got[i].explored for i in pushed)
+    assert pushed[1] - pushed[0] == EXPLORE_EVERY
+
+
+def test_ways_measure_only_streams_that_ended_well_with_a_tpot():
+    ways = Ways()
+    ways.observe("push", 0.2, 0.006, 32)
+    ways.observe("whole", 0.3, 0.004, 32)
+    ways.observe("local", 0.3, 0.004, 32)  # local and whole are one way: plain
+    ways.observe("push", 0.2, None, 1)  # not streamed
+    ways.observe("push", None, 0.006, 32)
+    assert len(ways.done[SPLIT]) == 1 and len(ways.done[PLAIN]) == 2
+    assert ways.cost(SPLIT) is None  # fewer than MIN_SAMPLES
 
 
 def test_the_plain_engine_is_the_least_loaded_then_the_one_holding_the_prefix():
@@ -101,16 +113,6 @@ def test_a_rate_is_a_moving_average_of_seconds_per_queued_token():
     assert r.samples == 2
 
 
-def test_path_costs_take_each_finished_streams_tpot_into_its_paths_average():
-    c = PathCosts()
-    c.observe("push", 0.006)
-    c.observe("whole", 0.004)
-    c.observe("local", 0.009)  # local and whole are one measure: served whole
-    c.observe("push", None)  # not streamed
-    assert c.push.value == pytest.approx(0.006) and c.push.samples == 1
-    assert c.plain.value == pytest.approx(0.004 + 0.2 * 0.005) and c.plain.samples == 2
-
-
 def test_the_dispatcher_sends_a_local_request_whole_to_decode_and_counts_its_path():
     async def go():
         dispatcher, pool, legs, abandoner = make(connector="kvpush", disaggregation="never")
@@ -131,32 +133,23 @@ def test_the_dispatcher_sends_a_local_request_whole_to_decode_and_counts_its_pat
     asyncio.run(go())
 
 
-def test_auto_measures_prefill_and_moves_a_prompt_to_decode_when_prefill_is_queued():
+def test_auto_sends_its_first_requests_both_ways_and_counts_each_path():
     async def go():
         dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush")
-        prefill, decode = pool.states
-        # the first request is pushed, and prefill's time to answer measured
-        first = Trace(None)
-        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, first))
-        await until(lambda: legs.prefill_calls and legs.decode_calls)
-        legs.prefills[0].set_result(b'{"choices": [{"text": "x"}]}')
-        legs.decodes[0].answer(b"data: 1\n\n", b"data: [DONE]\n\n")
-        (await task).finish(True)
-        await until(lambda: prefill.rate.samples == 1)
-        assert first.path == "push"
-        # both TPOTs measured, equal; a long queue on prefill (as other requests would
-        # leave it): the next goes local
-        dispatcher.costs = costs(0.005, 0.005)
-        prefill.outstanding_tokens = 1_000_000
-        second = Trace(None)
-        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, second))
-        await until(lambda: len(legs.decode_calls) == 2)
-        assert len(legs.prefill_calls) == 1 and second.path == "local"
-        legs.decodes[1].answer(b"data: 1\n\n", b"data: [DONE]\n\n")
-        (await task).finish(True)
+        traces = []
+        for i in range(2):
+            trace = Trace(None)
+            traces.append(trace)
+            task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
+            await until(lambda i=i: len(legs.decode_calls) == i + 1)
+            if legs.prefills[i:]:
+                legs.prefills[i].set_result(b'{"choices": [{"text": "x"}]}')
+            legs.decodes[i].answer(b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
+            await relay(await task, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        assert [t.path for t in traces] == ["push", "local"] and len(legs.prefill_calls) == 1
         counts = {p: dispatcher.metrics.path.labels(p)._value.get() for p in ("push", "local")}
         assert counts == {"push": 1, "local": 1}
-        prefill.outstanding_tokens = 0
+        assert [len(dispatcher.ways.done[w]) for w in (SPLIT, PLAIN)] == [1, 1]
         assert idle(pool)
 
     asyncio.run(go())
@@ -166,11 +159,11 @@ def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one(
     async def go():
         dispatcher, pool, legs, abandoner = make(num_prefill=1, connector="kvpush")
         prefill, decode = pool.states
-        # measured, whole requests' TPOT the better, and decode busy decoding two streams:
-        # the plain engine is prefill
+        # whole requests measured the sooner, and decode busy decoding two streams: the
+        # plain engine is prefill
         prefill.rate.observe_prompt(0.2, 2000)
         decode.decoding = 2
-        dispatcher.costs = costs(push=0.007, plain=0.005)
+        dispatcher.ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
         trace = Trace(None)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.decode_calls)
@@ -247,8 +240,6 @@ def test_bad_settings_are_refused_naming_the_accepted_ones():
     engines = (EngineInfo("http://p", "prefill"), EngineInfo("http://d", "decode"))
     with pytest.raises(ValueError, match=r"disaggregation must be one of \('auto', 'always'"):
         ProxyConfig(engines=engines, disaggregation="sometimes")
-    with pytest.raises(ValueError, match=r"local_margin must be in \[0, 1\)"):
-        ProxyConfig(engines=engines, local_margin=1.5)
 
 
 def test_prefill_engines_are_picked_for_the_prefix_they_hold_and_tpot_is_measured_per_path():
@@ -271,7 +262,7 @@ def test_prefill_engines_are_picked_for_the_prefix_they_hold_and_tpot_is_measure
             answer = await task
             await relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
         assert sent == ["p0", "p0", "p0", "p1"]
-        assert dispatcher.costs.push.samples == 4 and dispatcher.costs.plain.samples == 0
+        assert [len(dispatcher.ways.done[w]) for w in (SPLIT, PLAIN)] == [4, 0]
         assert idle(pool)
 
     asyncio.run(go())
