@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="default: on, except on decode engines",
+        help="default: on (vLLM's default), decode engines too",
     )
     serve.add_argument("--describe-to", help="write the engine's description JSON here")
     serve.add_argument(
@@ -447,10 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--disaggregation",
         choices=["auto", "always", "never"],
         default="auto",
-        help="kvpush: per request, the prompt pushed from a prefill engine or computed on the "
-        "decode engine, whichever is expected faster (auto); always pushed; never pushed, "
-        "every engine serving whole requests as plain replicas (docs/design/proxy.md, "
-        "'Conditional disaggregation')",
+        help="kvpush: every prompt pushed, or every engine a plain replica, whichever the "
+        "proxy measures ends requests sooner (auto); always pushed; never pushed "
+        "(docs/design/proxy.md, 'Conditional disaggregation')",
     )
     up.add_argument(
         "--front-end",

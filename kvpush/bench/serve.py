@@ -138,7 +138,8 @@ def sweep(
                         path.write_text(json.dumps(result, indent=1))
                         written.append(path)
                         print(f"  {label}: {point_line(result)}", flush=True)
-                        warn_on_hits(label, result["prefix_cache"])
+                        if prompts.shared is None:  # else hits are the point
+                            warn_on_hits(label, result["prefix_cache"])
     return written
 
 
@@ -198,10 +199,13 @@ def point_line(r: dict) -> str:
     waited = f", decode waiting on prefill max {waiting['max']:g}" if waiting else ""
     share = r.get("slo_attainment")
     slo_text = f", {share:.0%} within the SLO" if share is not None else ""
+    cache = (r.get("prefix_cache") or {}).values()
+    hits, queries = sum(c["hits"] for c in cache), sum(c["queries"] for c in cache)
+    hit_text = f", prefix-cache hits {hits / queries:.0%}" if hits else ""
     return (
         f"ttft median {r['median_ttft_ms']:.0f} ms, tpot median {r['median_tpot_ms']:.1f} ms, "
         f"itl median {r['median_itl_ms']:.1f} ms, {r['failed']} failed, "
-        f"{r.get('short_outputs', 0)} short{waited}{slo_text}"
+        f"{r.get('short_outputs', 0)} short{waited}{slo_text}{hit_text}"
     )
 
 

@@ -50,7 +50,7 @@ class EngineSpec:
     tp_size: int = 1
     dtype: str = "float32"
     max_model_len: int = 4096
-    prefix_caching: bool | None = None  # default: on, except on decode (honest transfers)
+    prefix_caching: bool | None = None  # default: on (vLLM's default), decode engines too
     connector_extra: dict = field(default_factory=dict)
     kv_load_failure_policy: str | None = None  # vLLM's: "fail" (its default) or "recompute"
     extra_args: tuple[str, ...] = ()
@@ -190,8 +190,9 @@ class EngineSpec:
 
     @property
     def prefix_enabled(self) -> bool:
-        """Prefix caching: as set, else on, except on decode (honest transfers)."""
-        return self.prefix_caching if self.prefix_caching is not None else self.role != "decode"
+        """Prefix caching: as set, else on (decode engines too: a decode hit is pushed less,
+        and a decode engine serving whole requests as a plain replica hits like one)."""
+        return self.prefix_caching if self.prefix_caching is not None else True
 
     def describe(self) -> dict:
         """What a proxy needs to know about this engine (written by `kvpush serve`)."""

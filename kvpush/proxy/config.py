@@ -33,13 +33,12 @@ class EngineInfo:
     # decode: the engine forces the first token to prefill's (kvpush's FirstTokenProcessor,
     # which `kvpush serve` loads and declares), so the client may get prefill's token first
     forces_first_token: bool = False
-    # whether the engine keeps a prefix cache (prefix-aware routing); None: vLLM's default on
-    # a prefill engine, kvpush serve's (off) on a decode engine
+    # whether the engine keeps a prefix cache (prefix-aware routing); None: vLLM's default, on
     prefix_caching: bool | None = None
 
     @property
     def caches_prefixes(self) -> bool:
-        return self.prefix_caching if self.prefix_caching is not None else self.role == "prefill"
+        return self.prefix_caching if self.prefix_caching is not None else True
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

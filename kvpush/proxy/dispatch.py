@@ -220,7 +220,7 @@ class Dispatcher:
         return self._count(call, paths.choose(mode, plain, self.ways, call.tokens, call.hashes))
 
     def _count(self, call: Call, choice: paths.Choice) -> paths.Choice:
-        call.trace.path = choice.path
+        call.trace.path, call.trace.measured = choice.path, choice.measured
         self.metrics.path.labels(choice.path).inc()
         return choice
 
@@ -358,7 +358,7 @@ class Dispatcher:
     def _ended(self, trace: Trace) -> None:
         """A request's answer ended: its timeline, and its TPOT into its path's measure."""
         self.metrics.observe_latency(trace)
-        if trace.status == "ok":
+        if trace.status == "ok" and trace.measured:
             ttft = trace.at.get("first_token")
             self.ways.observe(trace.path, ttft, trace.tpot_s, trace.num_chunks)
 

@@ -128,6 +128,7 @@ class ProxyMetrics:
                 "transfer_id": trace.transfer_id,
                 "status": trace.status,
                 "path": trace.path,
+                "measured": trace.measured,  # in the measure of its way (paths.Ways)
                 "prompt_tokens": trace.prompt_tokens,
                 "streamed": trace.streamed,
                 "chunks": trace.num_chunks,  # streamed chunks: about one a token

@@ -17,12 +17,13 @@ pushed request's decoding. Whether it pays depends on the hardware, the model an
 
 Mixing the two per request is worse than either (measured, docs/benchmarks.md): a prompt
 computed on the decode engine stalls every pushed stream there, which is the interference
-disaggregation exists to remove. So `auto` serves one way, sends one request in
-`EXPLORE_EVERY` the other way so that both stay measured, and moves to the other way when its
-recent requests would have ended sooner: median TTFT + (median tokens - 1) x median TPOT over
-each way's last `WINDOW` finished streams, by more than `MARGIN`. It starts by alternating
-until each way has `MIN_SAMPLES` requests. `always`: every prompt pushed (kvpush before issue
-44). `never`: every engine a plain replica.
+disaggregation exists to remove. So `auto` serves one way at a time, in cycles (`Ways`): the
+current way for most of a cycle, the other way for its last `EXPLORE` requests, each run's
+first `SETTLE` requests unmeasured (the other way's are still in flight); then it takes the
+other way if that run's requests ended sooner than the current way's recent ones: median
+TTFT + (median tokens - 1) x median TPOT, by more than `MARGIN`. It starts with `split`.
+`always`: every prompt pushed (kvpush before issue 44). `never`: every engine a plain
+replica.
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ DISAGGREGATION = ("auto", "always", "never")
 PATHS = ("push", "local", "whole")
 SPLIT, PLAIN = "split", "plain"
 WAYS = (SPLIT, PLAIN)
-EXPLORE_EVERY = 8  # one request in this many takes the way not chosen
-MIN_SAMPLES = 4  # requests of each way before `auto` compares them
-WINDOW = 24  # finished streams per way whose medians are compared
+CYCLE = 64  # requests per cycle; its last EXPLORE take the other way
+EXPLORE = 12
+SETTLE = 4  # the first requests of a run of one way, not measured
+MIN_SAMPLES = 4  # measured requests of each way before they are compared
+WINDOW = 24  # the current way's measured streams whose medians are compared
 MARGIN = 0.05  # the other way must be this much sooner to be taken
 _WEIGHT = 0.2  # of each new observation in the averages: the last ten or so requests count
 
@@ -77,45 +80,51 @@ class PrefillRate(Average):
 
 @dataclass
 class Ways:
-    """`auto`'s two ways of serving, measured: the way for each next request."""
+    """`auto`'s two ways of serving, measured: the way for each next request.
+
+    Requests come in cycles of `CYCLE`: the current way for all but the last `EXPLORE`, the
+    other way for those, so that each way is measured in its own steady state (requests of
+    the two ways mixed would measure the mix). The first `SETTLE` requests of each run of a
+    way are not measured: the other way's are still in flight. `SETTLE` requests into the
+    next cycle, once the explored ones have mostly ended, the ways are compared."""
 
     current: str = SPLIT
-    turn: int = 0
-    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WAYS, 0))
-    # per way: the last WINDOW finished streams' (TTFT s, TPOT s, chunks)
+    turn: int = 0  # requests sent in this cycle
+    # per way: its last measured streams' (TTFT s, TPOT s, chunks)
     done: dict[str, deque] = field(default_factory=lambda: {w: deque(maxlen=WINDOW) for w in WAYS})
 
     def next(self) -> tuple[str, bool]:
-        """The way for the next request, and whether it is taken to measure that way."""
-        self.turn += 1
-        fewest = min(WAYS, key=lambda w: self.sent[w])
-        if self.sent[fewest] < MIN_SAMPLES:
-            way, explored = fewest, True
-        else:
+        """The way for the next request, and whether it is measured."""
+        if self.turn == SETTLE:
             self._decide()
-            explored = self.turn % EXPLORE_EVERY == 0
-            way = _other(self.current) if explored else self.current
-        self.sent[way] += 1
-        return way, explored
+        if self.turn == CYCLE:
+            self.turn = 0
+        self.turn += 1
+        explore_from = CYCLE - EXPLORE
+        if self.turn > explore_from:
+            return _other(self.current), self.turn > explore_from + SETTLE
+        return self.current, self.turn > SETTLE
 
     def observe(self, path: str, ttft_s: float | None, tpot_s: float | None, chunks: int) -> None:
-        """A stream served `path` ended well."""
+        """A measured stream served `path` ended well."""
         if path not in PATHS or ttft_s is None or tpot_s is None or tpot_s <= 0:
             return
         self.done[SPLIT if path == "push" else PLAIN].append((ttft_s, tpot_s, chunks))
 
-    def cost(self, way: str) -> float | None:
-        """The seconds a recent request served this way took to its last token (medians)."""
-        done = self.done[way]
+    def cost(self, way: str, last: int = WINDOW) -> float | None:
+        """The seconds this way's last measured requests took to their last token (medians)."""
+        done = list(self.done[way])[-last:]
         if len(done) < MIN_SAMPLES:
             return None
         ttft, tpot, chunks = (statistics.median(x) for x in zip(*done, strict=True))
         return ttft + max(chunks - 1, 0) * tpot
 
     def _decide(self) -> None:
-        here, there = self.cost(self.current), self.cost(_other(self.current))
+        """The other way's last explored run against the current way's recent requests."""
+        other = _other(self.current)
+        here, there = self.cost(self.current), self.cost(other, EXPLORE - SETTLE)
         if here is not None and there is not None and there < here * (1 - MARGIN):
-            self.current = _other(self.current)
+            self.current = other
 
 
 def _other(way: str) -> str:
@@ -126,7 +135,7 @@ def _other(way: str) -> str:
 class Choice:
     path: str
     engine: EngineState | None = None  # the engine serving it whole (`local`, `whole`)
-    explored: bool = False  # taken to measure its way (`auto`)
+    measured: bool = False  # in `auto`'s measure of its way
 
 
 def queued_tokens(s: EngineState) -> int:
@@ -171,10 +180,10 @@ def choose(
     on one of `plain` (the healthy engines that may serve it whole)."""
     if mode == "always" or not plain:
         return Choice("push")
-    explored = False
+    measured = False
     if mode == "auto":
-        way, explored = ways.next()
+        way, measured = ways.next()
         if way == SPLIT:
-            return Choice("push", explored=explored)
+            return Choice("push", measured=measured)
     engine = plain_engine(plain, tokens, hashes)
-    return Choice("local" if engine.info.role == "decode" else "whole", engine, explored)
+    return Choice("local" if engine.info.role == "decode" else "whole", engine, measured)

@@ -47,6 +47,7 @@ class Trace:
     streamed: bool = False
     reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
     path: str = ""  # the prompt's path (kvpush.proxy.paths): "push", "local" or "whole"
+    measured: bool = False  # in the proxy's measure of its way of serving (paths.Ways)
     status: str = ""  # how it ended: "ok", or the failure
     observed: bool = False
 

@@ -66,15 +66,14 @@ def test_a_prompt_computed_on_decode_answers_as_one_plain_engine(engines, pair, 
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
 
 
-def test_auto_measures_both_paths_then_chooses_and_answers_stay_right(engines, pair, mono_url):
-    """Under `auto` the proxy measures before it chooses: the first streamed request is
-    pushed (prefill's rate and the pushed TPOT), the second served whole (the whole TPOT);
-    then a burst of four at once goes by the costs. Every answer is one plain engine's, and
-    the proxy's averages hold what the engines did."""
+def test_auto_starts_split_and_every_answer_is_one_plain_engines(engines, pair, mono_url):
+    """Under `auto` the proxy serves one way at a time and starts with `split` (paths.Ways):
+    two streamed requests, then a burst of four at once, all pushed, the streams after the
+    first few measured; every answer is one plain engine's. Switching ways is
+    tests/proxy/test_paths.py's (it takes a cycle of 64 requests)."""
     prompts = [tokens(1500, 80 + i) for i in range(6)]
     config = ProxyConfig(engines=infos(engines))
-    app = create_app(config)
-    with run_server(app) as url:
+    with run_server(create_app(config)) as url:
 
         async def go():
             async with session() as c:
@@ -86,10 +85,9 @@ def test_auto_measures_both_paths_then_chooses_and_answers_stay_right(engines, p
                 return wants, streamed, rest
 
         wants, streamed, rest = asyncio.run(go())
-        counts = paths(url)
-        timelines = [t["path"] for t in json.loads(get_text(url + "/timelines"))["timelines"]]
-    assert timelines[:2] == ["push", "local"], timelines
-    assert counts["push"] >= 1 and counts["local"] >= 1, counts
+        timelines = json.loads(get_text(url + "/timelines"))["timelines"]
+    assert [t["path"] for t in timelines] == ["push"] * 6
+    assert [t["measured"] for t in timelines[:2]] == [False, False]  # the run's first
     for want, got in zip(wants[:2], streamed, strict=True):
         assert text_of(got) == text_of(want)
     for want, got in zip(wants[2:], rest, strict=True):
@@ -163,3 +161,42 @@ def test_never_serves_whole_on_both_engines_and_kvpush_plan_reads_the_proxy(
     assert plan["verdict"] == "unknown" and plan["whole"]["requests"] == 4, plan
     assert plan["pushed"] is None and plan["rate_rps"] > 0 and plan["prefill_busy"] > 0
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
+
+
+def test_a_request_goes_to_the_engine_holding_its_prefix_and_hits_its_cache(
+    engines, pair, mono_url
+):
+    """Prefix-aware routing on real engines (`never`: both engines plain replicas, both
+    caching prefixes). A long stream goes to decode (a tie: decode first); a prompt with prefix
+    Y, sent while it decodes, to prefill (fewer streams decoding). With both idle again, a
+    prompt sharing Y goes to prefill, which holds Y, not to decode, which a tie would pick;
+    prefill's own counters show the hit, and the answer is one plain engine's."""
+    x, y = tokens(512, 140), tokens(512, 141)
+    config = ProxyConfig(engines=infos(engines), disaggregation="never")
+    with run_server(create_app(config)) as url:
+
+        async def go():
+            async with session() as c:
+                long = asyncio.ensure_future(
+                    post(c, url, body(x + tokens(16, 142), 400, stream=True))
+                )
+                await asyncio.sleep(0.5)  # its first token is out: decode is decoding
+                await post(c, url, body(y + tokens(16, 143), 4, stream=True))
+                await long
+                before = prefix_hits(pair.prefill_url)
+                prompt = y + tokens(16, 144)
+                want = await plain(c, mono_url, prompt, 8, stream=True)
+                got = await post(c, url, body(prompt, 8, stream=True))
+                return before, text_of(want), text_of(got)
+
+        before, want, got = asyncio.run(go())
+        timelines = [t["path"] for t in json.loads(get_text(url + "/timelines"))["timelines"]]
+    # in the order they ended: Y's, the long one, then the one sharing Y (on prefill: whole)
+    assert timelines == ["whole", "local", "whole"], timelines
+    assert prefix_hits(pair.prefill_url) - before >= 480  # Y's full blocks, bar the last
+    assert got == want
+    wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
+
+
+def prefix_hits(url: str) -> float:
+    return metric_samples(url)["vllm:prefix_cache_hits_total"]

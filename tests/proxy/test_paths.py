@@ -10,9 +10,10 @@ import pytest
 
 from kvpush.proxy.config import EngineInfo, EngineState
 from kvpush.proxy.paths import (
-    EXPLORE_EVERY,
-    MIN_SAMPLES,
+    CYCLE,
+    EXPLORE,
     PLAIN,
+    SETTLE,
     SPLIT,
     PrefillRate,
     Ways,
@@ -32,46 +33,52 @@ def engine(role: str, queued: int = 0, decoding: int = 0) -> EngineState:
 
 
 def measured(split: tuple[float, float], plain: tuple[float, float], n: int = 8) -> Ways:
-    """Ways past their first requests, each with `n` streams of 32 tokens (TTFT s, TPOT s)."""
-    ways = Ways(sent={SPLIT: n, PLAIN: n})
+    """Ways with `n` measured streams of 32 tokens each way (TTFT s, TPOT s)."""
+    ways = Ways()
     for _ in range(n):
         ways.observe("push", *split, 32)
         ways.observe("local", *plain, 32)
     return ways
 
 
-def test_always_pushes_never_serves_whole_and_auto_measures_both_ways_first():
+def test_always_pushes_and_never_serves_whole():
     p, d = engine("prefill"), engine("decode")
     assert choose("always", [p, d], Ways(), 100).path == "push"
     never = choose("never", [p, d], Ways(), 100)
     assert never.path == "local" and never.engine is d  # a tie: decode first
+    assert not never.measured
+
+
+def test_auto_runs_in_cycles_the_other_way_last_and_the_first_of_each_run_unmeasured():
+    p, d = engine("prefill"), engine("decode")
     ways = Ways()
-    first = [choose("auto", [p, d], ways, 100) for _ in range(2 * MIN_SAMPLES)]
-    assert [c.path for c in first] == ["push", "local"] * MIN_SAMPLES
-    assert all(c.explored for c in first)
+    got = [choose("auto", [p, d], ways, 100) for _ in range(CYCLE + 1)]
+    explore_from = CYCLE - EXPLORE
+    assert [c.path for c in got[:explore_from]] == ["push"] * explore_from
+    assert [c.path for c in got[explore_from:CYCLE]] == ["local"] * EXPLORE
+    assert got[CYCLE].path == "push"  # nothing measured: split stays
+    measured = [i for i, c in enumerate(got) if c.measured]
+    assert measured == [*range(SETTLE, explore_from), *range(explore_from + SETTLE, CYCLE)]
 
 
-def test_auto_serves_the_way_whose_recent_requests_ended_sooner():
+def run_cycle_into_the_next(ways: Ways, p, d) -> list:
+    return [choose("auto", [p, d], ways, 100) for _ in range(CYCLE + SETTLE + 1)]
+
+
+def test_auto_takes_the_other_way_when_its_run_ended_sooner():
     p, d = engine("prefill"), engine("decode")
     # pushed: 0.25 s + 31 x 7 ms = 0.467 s; whole: 0.25 s + 31 x 5 ms = 0.405 s
     ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
     assert ways.cost(SPLIT) == pytest.approx(0.25 + 31 * 0.007)
-    assert choose("auto", [p, d], ways, 100).path == "local" and ways.current == PLAIN
-    # the other way round: back to pushing
+    got = run_cycle_into_the_next(ways, p, d)
+    assert ways.current == PLAIN and got[-1].path == "local"
+    # the other way round: split stays
     ways = measured(split=(0.25, 0.005), plain=(0.25, 0.007))
-    assert choose("auto", [p, d], ways, 100).path == "push" and ways.current == SPLIT
+    assert run_cycle_into_the_next(ways, p, d)[-1].path == "push" and ways.current == SPLIT
     # within the margin (5 %): the current way stays
     ways = measured(split=(0.25, 0.0052), plain=(0.25, 0.005))
-    assert choose("auto", [p, d], ways, 100).path == "push"
-
-
-def test_one_request_in_explore_every_takes_the_other_way():
-    p, d = engine("prefill"), engine("decode")
-    ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
-    got = [choose("auto", [p, d], ways, 100) for _ in range(2 * EXPLORE_EVERY)]
-    pushed = [i for i, c in enumerate(got) if c.path == "push"]
-    assert len(pushed) == 2 and all(got[i].explored for i in pushed)
-    assert pushed[1] - pushed[0] == EXPLORE_EVERY
+    run_cycle_into_the_next(ways, p, d)
+    assert ways.current == SPLIT
 
 
 def test_ways_measure_only_streams_that_ended_well_with_a_tpot():
@@ -93,13 +100,16 @@ def test_the_plain_engine_is_the_least_loaded_then_the_one_holding_the_prefix():
     d.local_tokens = 0
     d.decoding = 2
     assert plain_engine([p, d], 100) is p
-    # prefill holds the prompt's prefix (decode keeps no prefix cache): prefill, less work
+    # prefill holds the prompt's prefix: prefill, less work, though a tie picks decode
     d.decoding = 0
     body = {"prompt": list(range(256))}
     hashes = block_hashes(body, chat=False)
-    assert p.prefix is not None and d.prefix is None
+    assert p.prefix is not None and d.prefix is not None  # both cache, by default
     p.prefix.add(hashes[:4])
     assert plain_engine([p, d], 256, hashes) is p
+    # an engine that keeps no prefix cache is never credited with one
+    off = EngineState(EngineInfo("http://d2", "decode", "d2", prefix_caching=False))
+    assert off.prefix is None and plain_engine([off], 256, hashes) is off
 
 
 def test_a_rate_is_a_moving_average_of_seconds_per_queued_token():
@@ -133,23 +143,19 @@ def test_the_dispatcher_sends_a_local_request_whole_to_decode_and_counts_its_pat
     asyncio.run(go())
 
 
-def test_auto_sends_its_first_requests_both_ways_and_counts_each_path():
+def test_the_dispatcher_counts_each_path_and_measures_each_way():
     async def go():
         dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush")
-        traces = []
-        for i in range(2):
-            trace = Trace(None)
-            traces.append(trace)
-            task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
-            await until(lambda i=i: len(legs.decode_calls) == i + 1)
-            if legs.prefills[i:]:
-                legs.prefills[i].set_result(b'{"choices": [{"text": "x"}]}')
-            legs.decodes[i].answer(b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
-            await relay(await task, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
-        assert [t.path for t in traces] == ["push", "local"] and len(legs.prefill_calls) == 1
-        counts = {p: dispatcher.metrics.path.labels(p)._value.get() for p in ("push", "local")}
-        assert counts == {"push": 1, "local": 1}
-        assert [len(dispatcher.ways.done[w]) for w in (SPLIT, PLAIN)] == [1, 1]
+        dispatcher.ways.turn = SETTLE  # past the unmeasured start: this one is measured
+        trace = Trace(None)
+        task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
+        await until(lambda: legs.prefill_calls and legs.decode_calls)
+        legs.prefills[0].set_result(b'{"choices": [{"text": "x"}]}')
+        legs.decodes[0].answer(b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")
+        await relay(await task, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        assert trace.path == "push" and trace.measured
+        assert dispatcher.metrics.path.labels("push")._value.get() == 1
+        assert [len(dispatcher.ways.done[w]) for w in (SPLIT, PLAIN)] == [1, 0]
         assert idle(pool)
 
     asyncio.run(go())
@@ -163,7 +169,7 @@ def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one(
         # plain engine is prefill
         prefill.rate.observe_prompt(0.2, 2000)
         decode.decoding = 2
-        dispatcher.ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
+        dispatcher.ways = Ways(current=PLAIN)
         trace = Trace(None)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.decode_calls)
@@ -262,7 +268,7 @@ def test_prefill_engines_are_picked_for_the_prefix_they_hold_and_tpot_is_measure
             answer = await task
             await relay(answer, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
         assert sent == ["p0", "p0", "p0", "p1"]
-        assert [len(dispatcher.ways.done[w]) for w in (SPLIT, PLAIN)] == [4, 0]
+        assert [len(dispatcher.ways.done[w]) for w in (SPLIT, PLAIN)] == [0, 0]  # always
         assert idle(pool)
 
     asyncio.run(go())
