@@ -171,7 +171,39 @@ def paths_table(folder: str) -> str:
     return "\n".join(lines)
 
 
+def prefix_table(folder: str) -> str:
+    """A shared-prefix run (`kvpush bench serve --shared-prefix`): per stack and rate, the
+    medians, the share within the SLO, and the engines' prefix-cache hit rate (tokens hit
+    over tokens looked up, all engines, from their /metrics), means over the iterations."""
+    import glob
+    import os
+
+    runs: dict[tuple[str, float], list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*_qps*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        runs.setdefault((data["mode"], data["qps"]), []).append(data)
+    head = ["stack", "QPS", "TTFT ms", "TPOT ms", "within the SLO", "prefix-cache hits"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode, qps in sorted(runs):
+        got = runs[(mode, qps)]
+        caches = [c for r in got for c in r["prefix_cache"].values()]
+        hits = sum(c["hits"] for c in caches) / max(sum(c["queries"] for c in caches), 1)
+
+        def mean(key: str, got: list[dict] = got) -> float:
+            return sum(r[key] for r in got) / len(got)
+
+        cells = [mode, f"{qps:g}", f"{mean('median_ttft_ms'):.0f}",
+                 f"{mean('median_tpot_ms'):.2f}", f"{100 * mean('slo_attainment'):.0f} %",
+                 f"{100 * hits:.0f} %"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--prefix"]:
+        print(prefix_table(sys.argv[2]))
+        sys.exit()
     if sys.argv[1:2] == ["--paths"]:
         print(paths_table(sys.argv[2]))
         sys.exit()

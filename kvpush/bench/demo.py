@@ -21,7 +21,9 @@ def main() -> int:
     rows = {}
     for connector in CONNECTORS:
         print(f"== {connector}: starting 1 prefill + 1 decode + proxy (about a minute)", flush=True)
-        stack = mode_stack(connector, model, SETTINGS.cache_dir / "logs")
+        # kvpush pushes every prompt here: the demo compares push with pull (its default,
+        # auto, would serve these few requests as plain replicas: docs/design/proxy.md)
+        stack = mode_stack(connector, model, SETTINGS.cache_dir / "logs", disaggregation="always")
         stack.start()
         try:
             print(f"{connector}: {NUM_REQUESTS} requests (vllm bench serve)", flush=True)

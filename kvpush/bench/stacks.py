@@ -82,9 +82,15 @@ def _cpu_ids(cores: str) -> list[int]:
 
 
 def mode_stack(
-    mode: str, model: str, log_dir: Path, connector_extra: dict | None = None, **engine_kw: Any
+    mode: str,
+    model: str,
+    log_dir: Path,
+    connector_extra: dict | None = None,
+    disaggregation: str | None = None,
+    **engine_kw: Any,
 ) -> Stack:
-    """The stack a mode names; `connector_extra` goes into kvpush's kv_connector_extra_config."""
+    """The stack a mode names; `connector_extra` goes into kvpush's kv_connector_extra_config,
+    `disaggregation` into kvpush's proxy and front ends (None: their default, auto)."""
     if mode in BASELINES:
         specs = baseline_specs(mode, model, **engine_kw)
         if mode != "replicas":
@@ -96,7 +102,10 @@ def mode_stack(
     if connector == "kvpush" and connector_extra:
         engine_kw = engine_kw | {"connector_extra": connector_extra}
     specs = disaggregated_specs(model, connector, **engine_kw)
-    return Stack(specs, connector, PROXY_PORT, log_dir, front_end=mode == FRONT_END)
+    return Stack(
+        specs, connector, PROXY_PORT, log_dir, front_end=mode == FRONT_END,
+        disaggregation=disaggregation if connector == "kvpush" else None,
+    )  # fmt: skip
 
 
 def mode_url(mode: str, stack: Stack) -> str:

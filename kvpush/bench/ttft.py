@@ -122,7 +122,8 @@ def main(
 
     engine_kw = {"extra_args": tuple(vllm_args), "pin_cores": pin_cores, "in_process": in_process}
     specs = stack_specs(model, "kvpush", 1, 1, connector_extra=connector_extra or {}, **engine_kw)
-    stack = Stack(specs, "kvpush", PROXY_PORT, log_dir, front_end=True)
+    # the push path's TTFT, each way in: every prompt pushed
+    stack = Stack(specs, "kvpush", PROXY_PORT, log_dir, front_end=True, disaggregation="always")
     result["in_process"] = {s.name: s.executor_in_process for s in specs}  # as each ran
     print(f"kvpush bench ttft: kvpush 1P1D, engines with {list(vllm_args)}, pinned {pin_cores}")
     stack.start()

@@ -241,12 +241,15 @@ def _sets_parallelism(args: tuple[str, ...]) -> bool:
     return any(a.split("=", 1)[0] in _PARALLEL_OPTIONS for a in args)
 
 
-def front_end_config(prefill: EngineSpec, decodes: list[dict], path: Path) -> EngineSpec:
+def front_end_config(
+    prefill: EngineSpec, decodes: list[dict], path: Path, disaggregation: str = "auto"
+) -> EngineSpec:
     """`prefill` as a front end for these decode engines (descriptions as `describe()` writes
     them): its configuration written to `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     engines = [prefill.describe(), *decodes]
-    path.write_text(json.dumps({"connector": "kvpush", "engines": engines}, indent=2))
+    config = {"connector": "kvpush", "disaggregation": disaggregation, "engines": engines}
+    path.write_text(json.dumps(config, indent=2))
     return replace(prefill, front_end=str(path))
 
 

@@ -108,15 +108,19 @@ class Stack:
         proxy_args: tuple[str, ...] = (),
         front_end: bool = False,
         proxy_cmd: list[str] | None = None,
+        disaggregation: str | None = None,
     ) -> None:
         """`front_end`: each prefill engine also serves clients as a front end for all the
         decode engines (proxy/frontend.py), beside the proxy. `proxy_cmd`: another front than
         kvpush's proxy (it must serve /health on `proxy_port`), e.g. the benchmarks'
-        round-robin front for plain engines."""
+        round-robin front for plain engines. `disaggregation`: kvpush's proxy's and front
+        ends' setting (None: their default, auto)."""
         if front_end:
             decodes = [s.describe() for s in specs if s.role == "decode"]
             specs = [
-                front_end_config(s, decodes, log_dir / f"front-end-{s.name}.json")
+                front_end_config(
+                    s, decodes, log_dir / f"front-end-{s.name}.json", disaggregation or "auto"
+                )
                 if s.role == "prefill"
                 else s
                 for s in specs
@@ -124,6 +128,8 @@ class Stack:
         self.specs, self.connector, self.proxy_port = specs, connector, proxy_port
         self.log_dir, self.with_proxy, self.proxy_args = log_dir, with_proxy, proxy_args
         self.proxy_cmd = proxy_cmd
+        if disaggregation is not None:
+            self.proxy_args += ("--disaggregation", disaggregation)
         self.engines: list[Engine] = []
         self.proxy: subprocess.Popen | None = None
         self._reported: set[Engine] = set()  # engines whose exit was told (newly_exited)
@@ -244,9 +250,10 @@ def up(
         flush=True,
     )
     proxy_args: tuple[str, ...] = () if first_token else ("--no-first-token",)
-    if connector == "kvpush":
-        proxy_args += ("--disaggregation", disaggregation)
-    stack = Stack(specs, connector, proxy_port, log_dir, proxy_args=proxy_args, front_end=front_end)
+    stack = Stack(
+        specs, connector, proxy_port, log_dir, proxy_args=proxy_args, front_end=front_end,
+        disaggregation=disaggregation if connector == "kvpush" else None,
+    )  # fmt: skip
     stack.start()
     print(
         f"kvpush ready: {stack.url}  try:\n  curl {stack.url}/v1/completions -H "

@@ -41,6 +41,7 @@ from kvpush.transfer.router import Abandoner
 log = logging.getLogger(__name__)
 POOL = web.AppKey("pool", EnginePool)
 METRICS = web.AppKey("metrics", ProxyMetrics)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 _JSON = {"Content-Type": "application/json"}
 # How long a complete stream's connection may take to reach its chunked end before it is
 # closed instead of reused: vLLM's server writes that end right after [DONE].
@@ -260,7 +261,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         return response
 
     app = web.Application()
-    app[POOL], app[METRICS] = pool, metrics
+    app[POOL], app[METRICS], app[DISPATCHER] = pool, metrics, dispatcher
     app.cleanup_ctx.append(lifespan)
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)

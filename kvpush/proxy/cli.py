@@ -50,8 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-decode-prompt-tokens",
         type=int,
         default=None,
-        help="outstanding prompt tokens per decode engine before 503 "
-        f"(default: {ProxyConfig.max_decode_prompt_tokens:,})",
+        help="prompt tokens a decode engine may hold for requests in flight; beyond, a "
+        "request waits --admission-wait-s for room, then 503 (default: 90%% of the engine's KV "
+        "cache, from its /metrics)",
+    )
+    p.add_argument(
+        "--admission-wait-s",
+        type=float,
+        default=None,
+        help="how long a request waits for a decode engine with room before 503 "
+        f"(default: {ProxyConfig.admission_wait_s:g})",
     )
     p.add_argument(
         "--request-timeout-s",
@@ -132,6 +140,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         "connector",
         "policy",
         "max_decode_prompt_tokens",
+        "admission_wait_s",
         "request_timeout_s",
         "first_token",
         "disaggregation",

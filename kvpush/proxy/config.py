@@ -66,7 +66,11 @@ class ProxyConfig:
     # among engines of one role: the fewest prompt tokens to compute, its own less the
     # engine's likely prefix-cache hit (kvpush.proxy.prefix), round-robin on a tie
     policy: str = "prefix-aware"
-    max_decode_prompt_tokens: int = 1_000_000  # per decode engine; beyond: 503 Retry-After
+    # prompt tokens a decode engine may hold for requests in flight: beyond, a request waits
+    # up to admission_wait_s for room, then gets 503 Retry-After. None: 90 % of the engine's
+    # KV cache, as its /metrics says (vllm:cache_config_info), else no bound
+    max_decode_prompt_tokens: int | None = None
+    admission_wait_s: float = 5.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
@@ -93,8 +97,10 @@ class ProxyConfig:
             raise ValueError(
                 f"disaggregation must be one of {DISAGGREGATION}, got {self.disaggregation!r}"
             )
-        if self.max_decode_prompt_tokens < 1:
+        if self.max_decode_prompt_tokens is not None and self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
+        if self.admission_wait_s < 0:
+            raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for e in self.engines:
             if e.connector and e.connector != self.connector:
                 raise ValueError(
@@ -168,6 +174,7 @@ class EngineState:
     rate: PrefillRate = field(default_factory=PrefillRate)
     # the prompt blocks it likely holds (kvpush.proxy.prefix); None: it keeps no prefix cache
     prefix: PrefixIndex | None = None
+    kv_capacity_tokens: int | None = None  # its KV cache, from its /metrics, once read
 
     def __post_init__(self) -> None:
         if self.prefix is None and self.info.caches_prefixes:

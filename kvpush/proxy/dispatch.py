@@ -194,7 +194,7 @@ class Dispatcher:
             engine = paths.plain_engine(healthy, call.tokens, call.hashes)
             self._count(call, paths.Choice("whole", engine))
             return await self._whole(engine, call)
-        decode = self.pool.pick("decode", call.tokens, hashes=call.hashes)
+        decode = await self.pool.admit(call.tokens, call.hashes)
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:
             prefill = self.pool.pick_healthy("prefill", call.tokens, tried, call.hashes)
@@ -317,11 +317,11 @@ class Dispatcher:
                     f"prefill engine {prefill.info.url} returned no "
                     "kv_transfer_params: is it running NixlConnector?",
                 )
-            decode = self.pool.pick("decode", tokens)
+            decode = await self.pool.admit(tokens)
             self.pool.acquire(decode, tokens)
             d_body = body | {"kv_transfer_params": params}
             return await self.run.answer(decode, d_body, headers, call)
-        return await self._local(self.pool.pick("decode", tokens), call)
+        return await self._local(await self.pool.admit(tokens), call)
 
     async def _local(self, decode: EngineState, call: Call) -> Answer:
         """No prefill engine is left: decode computes the prompt itself."""

@@ -40,7 +40,8 @@ class ProxyMetrics:
         self.path = Counter(
             "kvpush_proxy_path",
             "requests by the path their prompt took (kvpush.proxy.paths): push (a prefill "
-            "engine computed it, its KV pushed to decode) or local (the decode engine did)",
+            "engine computed it, its KV pushed to decode), local (a decode engine served it "
+            "whole) or whole (a prefill engine did)",
             ["path"],
             registry=r,
         )

@@ -21,7 +21,8 @@ disaggregation exists to remove. So `auto` serves one way at a time, in cycles (
 current way for most of a cycle, the other way for its last `EXPLORE` requests, each run's
 first `SETTLE` requests unmeasured (the other way's are still in flight); then it takes the
 other way if that run's requests ended sooner than the current way's recent ones: median
-TTFT + (median tokens - 1) x median TPOT, by more than `MARGIN`. It starts with `split`.
+TTFT + (median tokens - 1) x median TPOT, by more than `MARGIN`. It starts `plain`: as
+plain replicas, until disaggregating is measured better.
 `always`: every prompt pushed (kvpush before issue 44). `never`: every engine a plain
 replica.
 """
@@ -88,7 +89,7 @@ class Ways:
     way are not measured: the other way's are still in flight. `SETTLE` requests into the
     next cycle, once the explored ones have mostly ended, the ways are compared."""
 
-    current: str = SPLIT
+    current: str = PLAIN  # never worse than plain replicas until measured better
     turn: int = 0  # requests sent in this cycle
     # per way: its last measured streams' (TTFT s, TPOT s, chunks)
     done: dict[str, deque] = field(default_factory=lambda: {w: deque(maxlen=WINDOW) for w in WAYS})

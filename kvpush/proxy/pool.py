@@ -19,6 +19,13 @@ log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0  # a loaded 2-core host can take seconds to answer
 
 
+ADMIT_SHARE = 0.9  # of a decode engine's KV cache that requests in flight may hold
+
+
+class Full(ProxyError):
+    """Every healthy decode engine is at its bound (`EnginePool.room`)."""
+
+
 class EnginePool:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
@@ -26,6 +33,7 @@ class EnginePool:
         self._clients: dict[str, aiohttp.ClientSession] = {}
         self._turn = {role: itertools.count() for role in ("prefill", "decode")}
         self._health_task: asyncio.Task | None = None
+        self._freed = asyncio.Event()  # set when an engine's count falls (`admit`)
 
     async def start(self) -> None:
         for s in self.states:
@@ -85,6 +93,8 @@ class EnginePool:
                 async with client.get("/v1/models", timeout=timeout) as r:
                     r.raise_for_status()
                     s.served_models = [m["id"] for m in (await r.json())["data"]]
+            if s.kv_capacity_tokens is None:
+                s.kv_capacity_tokens = await self._kv_capacity(client, timeout)
             if not s.healthy:
                 log.info("engine %s is healthy again", s.info.url)
             s.healthy, s.error = True, ""
@@ -99,6 +109,51 @@ class EnginePool:
                 s.healthy = False
             return
         s.missed_checks = 0
+
+    @staticmethod
+    async def _kv_capacity(client: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout) -> int:
+        """The engine's KV cache in tokens (vLLM's `vllm:cache_config_info`: blocks x block
+        size); 0 where its /metrics does not say (then no bound is derived from it)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with client.get("/metrics", timeout=timeout) as r:
+            if r.status != 200:
+                return 0
+            text = await r.text()
+        for family in text_string_to_metric_families(text):
+            if family.name != "vllm:cache_config_info":
+                continue
+            for sample in family.samples:
+                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+                if blocks and size and blocks.isdigit() and size.isdigit():
+                    return int(blocks) * int(size)
+        return 0
+
+    def room(self, s: EngineState) -> int | None:
+        """The prompt tokens a decode engine may hold for requests in flight; None: no bound."""
+        if self.config.max_decode_prompt_tokens is not None:
+            return self.config.max_decode_prompt_tokens
+        return int(ADMIT_SHARE * s.kv_capacity_tokens) if s.kv_capacity_tokens else None
+
+    def has_room(self, s: EngineState, prompt_tokens: int) -> bool:
+        room = self.room(s)
+        return room is None or s.outstanding_tokens + prompt_tokens <= room
+
+    async def admit(self, prompt_tokens: int, hashes: tuple[int, ...] = ()) -> EngineState:
+        """A decode engine for a request, as `pick`; while every healthy one is full (`room`),
+        waiting up to `admission_wait_s` for one to free room, then 503 with Retry-After."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.admission_wait_s
+        while True:
+            try:
+                return self.pick("decode", prompt_tokens, hashes=hashes)
+            except Full:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise
+                self._freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), remaining)
 
     def mark_failed(self, state: EngineState, error: BaseException) -> None:
         """The connection to this engine was refused or lost: skip it until a health check
@@ -146,15 +201,16 @@ class EnginePool:
         if not candidates:
             raise ProxyError(503, f"no healthy {role} engine", {"Retry-After": "1"})
         if role == "decode":
-            cap = self.config.max_decode_prompt_tokens
-            candidates = [s for s in candidates if s.outstanding_tokens + prompt_tokens <= cap]
-            if not candidates:
-                raise ProxyError(
+            fits = [s for s in candidates if self.has_room(s, prompt_tokens)]
+            if not fits:
+                rooms = ", ".join(f"{s.info.url} {self.room(s):,}" for s in candidates)
+                raise Full(
                     503,
-                    f"every decode engine holds {cap} outstanding prompt "
-                    "tokens (max_decode_prompt_tokens); retry later",
+                    f"no decode engine has room for {prompt_tokens:,} more prompt tokens "
+                    f"(max_decode_prompt_tokens: {rooms}); retry later",
                     {"Retry-After": "1"},
                 )
+            candidates = fits
         if self.config.policy == "least-outstanding":
             return min(candidates, key=lambda s: (s.outstanding, s.outstanding_tokens))
         turn = next(self._turn[role]) % len(candidates)
@@ -180,6 +236,7 @@ class EnginePool:
     def release(self, s: EngineState, tokens: int, waiting: bool = False) -> None:
         s.outstanding -= 1
         s.outstanding_tokens -= tokens
+        self._freed.set()  # requests waiting for room (`admit`) look again
         if waiting and s.waiting_on_prefill > 0:
             s.waiting_on_prefill -= 1
 
@@ -202,4 +259,6 @@ class EnginePool:
             "decoding": s.decoding,
             # seconds per queued prompt token to the first token (kvpush.proxy.paths)
             "s_per_token": s.rate.s_per_token,
+            "kv_capacity_tokens": s.kv_capacity_tokens,
+            "room_prompt_tokens": self.room(s) if s.info.role == "decode" else None,
         }

@@ -34,7 +34,7 @@ def front(engines, tiny_model, tmp_path_factory):
         connector_extra=decode.connector_extra,  # the same debug checksums as decode's
     )
     path = tmp_path_factory.mktemp("front-end") / "front-end.json"
-    (engine,) = start(front_end_config(spec, [decode.describe()], path))
+    (engine,) = start(front_end_config(spec, [decode.describe()], path, "always"))
     yield engine
     engine.stop()
 

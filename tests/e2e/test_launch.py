@@ -88,7 +88,9 @@ def test_serve_each_connector_and_send_one_request(connector, tiny_model, tmp_pa
                 str(tmp_path / "prefill.json"),
                 "--engine-file",
                 str(tmp_path / "decode.json"),
-            ],
+            ]
+            # the 1P1D pair's push path (kvpush's default, auto, starts as plain replicas)
+            + (["--disaggregation", "always"] if connector == "kvpush" else []),
             start_new_session=True,
         )
         procs.append(proxy)

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from kvpush.proxy.app import create_app
+from kvpush.proxy.app import DISPATCHER, create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from tests.e2e.client import (
     assert_same_or_near_tie,
@@ -66,14 +66,19 @@ def test_a_prompt_computed_on_decode_answers_as_one_plain_engine(engines, pair, 
     wait_idle(pair.prefill_url, pair.decode_url, timeout_s=15)
 
 
-def test_auto_starts_split_and_every_answer_is_one_plain_engines(engines, pair, mono_url):
-    """Under `auto` the proxy serves one way at a time and starts with `split` (paths.Ways):
-    two streamed requests, then a burst of four at once, all pushed, the streams after the
-    first few measured; every answer is one plain engine's. Switching ways is
-    tests/proxy/test_paths.py's (it takes a cycle of 64 requests)."""
+def test_auto_starts_plain_and_explores_split_and_every_answer_is_one_plain_engines(
+    engines, pair, mono_url
+):
+    """Under `auto` the proxy serves one way at a time (paths.Ways) and starts `plain`: here
+    the cycle is put at its explored run, so two streamed requests and then a burst of four
+    at once are pushed (`split`); every answer is one plain engine's. Switching ways on
+    measurements is tests/proxy/test_paths.py's (it takes a cycle of 64 requests)."""
+    from kvpush.proxy.paths import CYCLE, EXPLORE
+
     prompts = [tokens(1500, 80 + i) for i in range(6)]
-    config = ProxyConfig(engines=infos(engines))
-    with run_server(create_app(config)) as url:
+    app = create_app(ProxyConfig(engines=infos(engines)))
+    app[DISPATCHER].ways.turn = CYCLE - EXPLORE  # the next request starts the explored run
+    with run_server(app) as url:
 
         async def go():
             async with session() as c:
@@ -149,11 +154,16 @@ def test_never_serves_whole_on_both_engines_and_kvpush_plan_reads_the_proxy(
         samples = metric_samples(url)
         counts = {p: samples.get(f'kvpush_proxy_path_total{{path="{p}"}}', 0)
                   for p in ("push", "local", "whole")}  # fmt: skip
+        status = json.loads(get_text(url + "/status"))["engines"]
         planned = subprocess.run(
             [sys.executable, "-m", "kvpush.cli", "plan", "--url", url, "--json"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     assert counts["push"] == 0 and counts["local"] >= 1 and counts["whole"] >= 1, counts
+    # each engine's KV cache, read from its /metrics: the decode engine's admission bound
+    assert all(e["kv_capacity_tokens"] > 0 for e in status), status
+    decode = next(e for e in status if e["role"] == "decode")
+    assert decode["room_prompt_tokens"] == int(0.9 * decode["kv_capacity_tokens"])
     for want, got in zip(wants, gots, strict=True):
         assert text_of(got) == text_of(want)
     assert planned.returncode == 0, planned.stderr

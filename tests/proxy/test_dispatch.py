@@ -90,6 +90,8 @@ class FakeAbandoner:
 def make(num_prefill: int = 2, connector: str = "nixl-push", forces_first_token=True, **settings):
     engines = tuple(EngineInfo(f"http://p{i}", "prefill", f"p{i}") for i in range(num_prefill))
     engines += (EngineInfo("http://d0", "decode", "d0", forces_first_token=forces_first_token),)
+    # the push path unless a test says otherwise (auto starts as plain replicas)
+    settings.setdefault("disaggregation", "always")
     config = ProxyConfig(engines=engines, connector=connector, **settings)
     pool, legs, abandoner = EnginePool(config), FakeLegs(), FakeAbandoner()
     return Dispatcher(config, pool, legs, ProxyMetrics(), abandoner), pool, legs, abandoner

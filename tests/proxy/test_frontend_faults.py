@@ -37,7 +37,7 @@ def front_end(prefill_app, decode_behavior="slow"):
     url = f"http://127.0.0.1:{port}"
     with run_server(d_app) as d_url:
         engines = (EngineInfo(url, "prefill", "p0"), EngineInfo(d_url, "decode", "d0"))
-        app = FrontEnd(prefill_app, ProxyConfig(engines=engines))
+        app = FrontEnd(prefill_app, ProxyConfig(engines=engines, disaggregation="always"))
         with run_server(app, port):
             yield url, d_app
 

@@ -54,9 +54,9 @@ def test_auto_runs_in_cycles_the_other_way_last_and_the_first_of_each_run_unmeas
     ways = Ways()
     got = [choose("auto", [p, d], ways, 100) for _ in range(CYCLE + 1)]
     explore_from = CYCLE - EXPLORE
-    assert [c.path for c in got[:explore_from]] == ["push"] * explore_from
-    assert [c.path for c in got[explore_from:CYCLE]] == ["local"] * EXPLORE
-    assert got[CYCLE].path == "push"  # nothing measured: split stays
+    assert [c.path for c in got[:explore_from]] == ["local"] * explore_from  # plain first
+    assert [c.path for c in got[explore_from:CYCLE]] == ["push"] * EXPLORE
+    assert got[CYCLE].path == "local"  # nothing measured: plain stays
     measured = [i for i, c in enumerate(got) if c.measured]
     assert measured == [*range(SETTLE, explore_from), *range(explore_from + SETTLE, CYCLE)]
 
@@ -68,17 +68,17 @@ def run_cycle_into_the_next(ways: Ways, p, d) -> list:
 def test_auto_takes_the_other_way_when_its_run_ended_sooner():
     p, d = engine("prefill"), engine("decode")
     # pushed: 0.25 s + 31 x 7 ms = 0.467 s; whole: 0.25 s + 31 x 5 ms = 0.405 s
-    ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
-    assert ways.cost(SPLIT) == pytest.approx(0.25 + 31 * 0.007)
-    got = run_cycle_into_the_next(ways, p, d)
-    assert ways.current == PLAIN and got[-1].path == "local"
-    # the other way round: split stays
     ways = measured(split=(0.25, 0.005), plain=(0.25, 0.007))
-    assert run_cycle_into_the_next(ways, p, d)[-1].path == "push" and ways.current == SPLIT
+    assert ways.cost(SPLIT) == pytest.approx(0.25 + 31 * 0.005)
+    got = run_cycle_into_the_next(ways, p, d)
+    assert ways.current == SPLIT and got[-1].path == "push"
+    # the other way round: plain stays
+    ways = measured(split=(0.25, 0.007), plain=(0.25, 0.005))
+    assert run_cycle_into_the_next(ways, p, d)[-1].path == "local" and ways.current == PLAIN
     # within the margin (5 %): the current way stays
-    ways = measured(split=(0.25, 0.0052), plain=(0.25, 0.005))
+    ways = measured(split=(0.25, 0.005), plain=(0.25, 0.0052))
     run_cycle_into_the_next(ways, p, d)
-    assert ways.current == SPLIT
+    assert ways.current == PLAIN
 
 
 def test_ways_measure_only_streams_that_ended_well_with_a_tpot():
@@ -145,8 +145,8 @@ def test_the_dispatcher_sends_a_local_request_whole_to_decode_and_counts_its_pat
 
 def test_the_dispatcher_counts_each_path_and_measures_each_way():
     async def go():
-        dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush")
-        dispatcher.ways.turn = SETTLE  # past the unmeasured start: this one is measured
+        dispatcher, pool, legs, _ = make(num_prefill=1, connector="kvpush", disaggregation="auto")
+        dispatcher.ways = Ways(current=SPLIT, turn=SETTLE)  # past the unmeasured start
         trace = Trace(None)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.prefill_calls and legs.decode_calls)
@@ -163,13 +163,15 @@ def test_the_dispatcher_counts_each_path_and_measures_each_way():
 
 def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one():
     async def go():
-        dispatcher, pool, legs, abandoner = make(num_prefill=1, connector="kvpush")
+        dispatcher, pool, legs, abandoner = make(
+            num_prefill=1, connector="kvpush", disaggregation="auto"
+        )
         prefill, decode = pool.states
         # whole requests measured the sooner, and decode busy decoding two streams: the
         # plain engine is prefill
         prefill.rate.observe_prompt(0.2, 2000)
         decode.decoding = 2
-        dispatcher.ways = Ways(current=PLAIN)
+        dispatcher.ways = Ways()  # plain, as it starts
         trace = Trace(None)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.decode_calls)

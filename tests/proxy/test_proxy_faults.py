@@ -36,6 +36,7 @@ def proxied(
             EngineInfo(p_url, "prefill", "p0", side_channel_port=side_port),
             EngineInfo(d_url, "decode", "d0"),
         )
+        settings.setdefault("disaggregation", "always")  # the push path: its faults
         config = ProxyConfig(engines=engines, **settings)
         with run_server(create_app(config)) as url:
             yield url, p_app, d_app
@@ -136,7 +137,9 @@ def test_a_failed_prefill_engine_is_retried_once_on_another_with_a_new_transfer_
     bad, good, d_app = fake_engine(behavior="500"), fake_engine(), fake_engine(behavior="slow")
     with run_server(bad) as b_url, run_server(good) as g_url, run_server(d_app) as d_url:
         engines = (EngineInfo(b_url, "prefill", "p0"), EngineInfo(g_url, "prefill", "p1"))
-        config = ProxyConfig(engines=engines + (EngineInfo(d_url, "decode"),))
+        config = ProxyConfig(
+            engines=engines + (EngineInfo(d_url, "decode"),), disaggregation="always"
+        )
         with run_server(create_app(config)) as url:
             body = {"prompt": "hi", "stream": True}
             r = httpx.post(url + "/v1/completions", json=body, timeout=10)
@@ -208,7 +211,7 @@ def test_slow_first_byte_is_waited_for():
 
 
 def test_backpressure_answers_503_with_retry_after():
-    with proxied(max_decode_prompt_tokens=10) as (url, _, _):
+    with proxied(max_decode_prompt_tokens=10, admission_wait_s=0.2) as (url, _, _):
         r = httpx.post(url + "/v1/completions", json={"prompt": list(range(3, 50))})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
 
@@ -229,7 +232,8 @@ def test_decode_engine_down_before_dispatch_is_skipped():
             EngineInfo(dead, "decode"),
             EngineInfo(d_url, "decode"),
         )
-        with run_server(create_app(ProxyConfig(engines=engines))) as url:
+        config = ProxyConfig(engines=engines, disaggregation="always")
+        with run_server(create_app(config)) as url:
             for _ in range(4):
                 assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
             status = {e["url"]: e for e in httpx.get(url + "/status").json()["engines"]}
@@ -300,7 +304,7 @@ def test_an_engine_that_fails_health_checks_leaves_rotation_and_comes_back():
             EngineInfo(u2, "prefill"),
             EngineInfo(d_url, "decode"),
         )
-        config = ProxyConfig(engines=engines, health_interval_s=0.05)
+        config = ProxyConfig(engines=engines, health_interval_s=0.05, disaggregation="always")
         with run_server(create_app(config)) as url:
 
             def healthy() -> bool:

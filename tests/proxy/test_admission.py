@@ -1,0 +1,71 @@
+"""Admission (kvpush.proxy.pool: `EnginePool.admit`): a decode engine holds at most its room
+in prompt tokens for requests in flight; a request beyond waits for room, then gets 503 with
+Retry-After. With in-memory legs; the real engines' room, from their /metrics, is checked in
+tests/e2e/test_paths.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.relay import relay
+from kvpush.proxy.timeline import Trace
+from tests.proxy.test_dispatch import idle, make, until
+
+PROMPT = {"model": "tiny", "prompt": list(range(80)), "max_tokens": 4, "stream": True}
+
+
+async def finish(legs, i: int, task) -> None:
+    legs.prefills[i].set_result(b'{"choices": [{"text": "x"}]}')
+    legs.decodes[i].answer(b"data: 1\n\n", b"data: [DONE]\n\n")
+    await relay(await task, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+
+
+def test_a_request_beyond_the_room_waits_until_one_ends():
+    async def go():
+        dispatcher, pool, legs, _ = make(
+            num_prefill=1, connector="kvpush", disaggregation="always",
+            max_decode_prompt_tokens=100, admission_wait_s=5,
+        )  # fmt: skip
+        first = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
+        await until(lambda: legs.decode_calls)
+        second = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
+        await asyncio.sleep(0.05)
+        assert len(legs.decode_calls) == 1 and not second.done()  # 80 + 80 > 100: it waits
+        await finish(legs, 0, first)
+        await until(lambda: len(legs.decode_calls) == 2)
+        await finish(legs, 1, second)
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
+def test_a_request_that_finds_no_room_in_time_gets_503_with_retry_after():
+    async def go():
+        dispatcher, pool, legs, _ = make(
+            num_prefill=1, connector="kvpush", disaggregation="always",
+            max_decode_prompt_tokens=100, admission_wait_s=0.1,
+        )  # fmt: skip
+        first = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
+        await until(lambda: legs.decode_calls)
+        with pytest.raises(ProxyError) as refused:
+            await dispatcher.dispatch(PROMPT, False, {}, Trace(None))
+        assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
+        assert "no decode engine has room for 80" in refused.value.message
+        await finish(legs, 0, first)
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
+def test_the_room_is_90_percent_of_the_engines_kv_cache_unless_configured():
+    dispatcher, pool, _, _ = make(num_prefill=1, connector="kvpush")
+    decode = pool.states[-1]
+    assert pool.room(decode) is None  # capacity unknown: no bound
+    decode.kv_capacity_tokens = 1000
+    assert pool.room(decode) == 900
+    _, configured, _, _ = make(num_prefill=1, connector="kvpush", max_decode_prompt_tokens=50)
+    configured.states[-1].kv_capacity_tokens = 1000
+    assert configured.room(configured.states[-1]) == 50
