@@ -160,7 +160,7 @@ def paths_table(folder: str) -> str:
         if plan := data.get("plan"):
             said = plan["verdict"] + (f" (`{plan['flags']}`)" if plan["flags"] else "")
             plans.setdefault(data["qps"], []).append(said)
-    head = ["QPS", "push", "local (decode computes)", "whole (on prefill)"]
+    head = ["QPS", "push", "local (whole on decode)", "whole (on prefill)"]
     head += ["`kvpush plan`, each round"] if plans else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for qps in sorted(counts):

@@ -13,7 +13,7 @@ from kvpush.bench import plot
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results"
-SERVING = ("auto_cpu", "connectors_cpu")  # the serving sets whose tables the page quotes
+SERVING = ("ways_cpu", "connectors_cpu")  # the serving sets whose tables the page quotes
 
 
 @pytest.mark.parametrize("name", SERVING)
@@ -82,11 +82,21 @@ def test_the_pages_knobs_table_comes_from_the_committed_runs():
     assert not missing, f"rows of the knobs table not on the page: {missing}"
 
 
+def test_the_pages_prefix_table_comes_from_the_committed_run():
+    import runpy
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
+    rows = script["prefix_table"](str(RESULTS / "prefix_cpu")).splitlines()
+    assert len(rows) == 6  # two stacks at two rates
+    missing = [line for line in rows if line not in PAGE.read_text()]
+    assert not missing, f"rows of the prefix table not on the page: {missing}"
+
+
 def test_the_pages_paths_table_comes_from_the_committed_run():
     import runpy
 
     script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
-    rows = script["paths_table"](str(RESULTS / "auto_cpu")).splitlines()
+    rows = script["paths_table"](str(RESULTS / "ways_cpu")).splitlines()
     assert len(rows) == 7  # five rates
     missing = [line for line in rows if line not in PAGE.read_text()]
     assert not missing, f"rows of the paths table not on the page: {missing}"
