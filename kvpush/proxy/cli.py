@@ -44,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policy",
         choices=POLICIES,
         default=None,
-        help=f"how a decode engine is picked (default: {ProxyConfig.policy})",
+        help="how an engine of a role is picked: prefix-aware (the fewest prompt tokens to "
+        "compute, its likely cached prefix left out; round-robin on a tie), round-robin, "
+        f"least-outstanding (default: {ProxyConfig.policy})",
     )
     p.add_argument(
         "--max-decode-prompt-tokens",

