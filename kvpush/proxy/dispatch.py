@@ -201,7 +201,7 @@ class Dispatcher:
             if prefill is None:
                 break
             if not tried:  # a re-send does not choose again
-                choice = self._choose(call)
+                choice = self._choose(call, healthy)
                 if choice.engine is not None:
                     return await self._whole(choice.engine, call)
             try:
@@ -211,13 +211,13 @@ class Dispatcher:
                 self._rerouted(call.trace, prefill, e)
         return await self._local(decode, call)
 
-    def _choose(self, call: Call) -> paths.Choice:
-        """The prompt's path (kvpush.proxy.paths), counted and in its timeline. Only kvpush
-        chooses; vLLM's own connectors always push."""
+    def _choose(self, call: Call, healthy: list[EngineState]) -> paths.Choice:
+        """The prompt's path (kvpush.proxy.paths), counted and in its timeline; `healthy`:
+        the engines that may serve it whole. Only kvpush chooses; vLLM's own connectors always
+        push."""
         config = self.config
         mode = config.disaggregation if config.connector == "kvpush" else "always"
-        plain = [s for s in self.pool.states if s.healthy]
-        return self._count(call, paths.choose(mode, plain, self.ways, call.tokens, call.hashes))
+        return self._count(call, paths.choose(mode, healthy, self.ways, call.tokens, call.hashes))
 
     def _count(self, call: Call, choice: paths.Choice) -> paths.Choice:
         call.trace.path, call.trace.measured = choice.path, choice.measured

@@ -48,35 +48,25 @@ SETTLE = 4  # the first requests of a run of one way, not measured
 MIN_SAMPLES = 4  # measured requests of each way before they are compared
 WINDOW = 24  # the current way's measured streams whose medians are compared
 MARGIN = 0.05  # the other way must be this much sooner to be taken
-_WEIGHT = 0.2  # of each new observation in the averages: the last ten or so requests count
+_WEIGHT = 0.2  # of each new observation in PrefillRate: the last ten or so requests count
 
 
 @dataclass
-class Average:
-    """A moving average: each new observation moves it `_WEIGHT` of the way."""
-
-    value: float | None = None
-    samples: int = 0
-
-    def observe(self, x: float) -> None:
-        prev = self.value
-        self.value = x if prev is None else prev + _WEIGHT * (x - prev)
-        self.samples += 1
-
-
-@dataclass
-class PrefillRate(Average):
+class PrefillRate:
     """Seconds per prompt token an engine takes to answer a prompt's first token, queue
     included: each observation is the seconds from sending the request to its first token,
-    over the prompt tokens that were queued on the engine ahead of it plus its own."""
+    over the prompt tokens that were queued on the engine ahead of it plus its own; a moving
+    average, each observation moving it `_WEIGHT` of the way. Reported in /status."""
 
-    @property
-    def s_per_token(self) -> float | None:
-        return self.value
+    s_per_token: float | None = None
+    samples: int = 0
 
     def observe_prompt(self, seconds: float, tokens: int) -> None:
-        if tokens > 0 and seconds > 0:
-            self.observe(seconds / tokens)
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate, prev = seconds / tokens, self.s_per_token
+        self.s_per_token = rate if prev is None else prev + _WEIGHT * (rate - prev)
+        self.samples += 1
 
 
 @dataclass

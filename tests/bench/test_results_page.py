@@ -72,31 +72,19 @@ def test_the_pages_fast_poll_table_comes_from_the_committed_transfer_runs():
     assert not missing, f"rows of the fast_poll_s table not on the page: {missing}"
 
 
-def test_the_pages_knobs_table_comes_from_the_committed_runs():
+@pytest.mark.parametrize(
+    ("table", "folder", "num_rows"),
+    [
+        ("knobs_table", "knobs_cpu", 8),  # three settings at two rates
+        ("prefix_table", "prefix_cpu", 6),  # two stacks at two rates
+        ("paths_table", "ways_cpu", 7),  # five rates
+    ],
+)
+def test_the_pages_tables_of_result_folders_come_from_the_committed_runs(table, folder, num_rows):
     import runpy
 
     script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
-    rows = script["knobs_table"](str(RESULTS / "knobs_cpu")).splitlines()
-    assert len(rows) == 8  # three settings at two rates
+    rows = script[table](str(RESULTS / folder)).splitlines()
+    assert len(rows) == num_rows
     missing = [line for line in rows if line not in PAGE.read_text()]
-    assert not missing, f"rows of the knobs table not on the page: {missing}"
-
-
-def test_the_pages_prefix_table_comes_from_the_committed_run():
-    import runpy
-
-    script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
-    rows = script["prefix_table"](str(RESULTS / "prefix_cpu")).splitlines()
-    assert len(rows) == 6  # two stacks at two rates
-    missing = [line for line in rows if line not in PAGE.read_text()]
-    assert not missing, f"rows of the prefix table not on the page: {missing}"
-
-
-def test_the_pages_paths_table_comes_from_the_committed_run():
-    import runpy
-
-    script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
-    rows = script["paths_table"](str(RESULTS / "ways_cpu")).splitlines()
-    assert len(rows) == 7  # five rates
-    missing = [line for line in rows if line not in PAGE.read_text()]
-    assert not missing, f"rows of the paths table not on the page: {missing}"
+    assert not missing, f"rows of the {table} of {folder} not on the page: {missing}"

@@ -23,14 +23,21 @@ async def finish(legs, i: int, task) -> None:
     await relay(await task, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
 
 
+async def one_in_flight(wait_s: float):
+    """A dispatcher whose decode engine has room for 100 prompt tokens, and one request of 80
+    holding it."""
+    dispatcher, pool, legs, _ = make(
+        num_prefill=1, connector="kvpush", disaggregation="always",
+        max_decode_prompt_tokens=100, admission_wait_s=wait_s,
+    )  # fmt: skip
+    first = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
+    await until(lambda: legs.decode_calls)
+    return dispatcher, pool, legs, first
+
+
 def test_a_request_beyond_the_room_waits_until_one_ends():
     async def go():
-        dispatcher, pool, legs, _ = make(
-            num_prefill=1, connector="kvpush", disaggregation="always",
-            max_decode_prompt_tokens=100, admission_wait_s=5,
-        )  # fmt: skip
-        first = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
-        await until(lambda: legs.decode_calls)
+        dispatcher, pool, legs, first = await one_in_flight(wait_s=5)
         second = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
         await asyncio.sleep(0.05)
         assert len(legs.decode_calls) == 1 and not second.done()  # 80 + 80 > 100: it waits
@@ -44,12 +51,7 @@ def test_a_request_beyond_the_room_waits_until_one_ends():
 
 def test_a_request_that_finds_no_room_in_time_gets_503_with_retry_after():
     async def go():
-        dispatcher, pool, legs, _ = make(
-            num_prefill=1, connector="kvpush", disaggregation="always",
-            max_decode_prompt_tokens=100, admission_wait_s=0.1,
-        )  # fmt: skip
-        first = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
-        await until(lambda: legs.decode_calls)
+        dispatcher, pool, legs, first = await one_in_flight(wait_s=0.1)
         with pytest.raises(ProxyError) as refused:
             await dispatcher.dispatch(PROMPT, False, {}, Trace(None))
         assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
