@@ -89,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(never) "
         f"(default: {ProxyConfig.disaggregation})",
     )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=None,
+        help="times a stream whose engine fails mid-answer may continue on another engine; "
+        f"0: never, the stream ends with an error event (default: {ProxyConfig.max_migrations})",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the proxy listens on")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port")
 
@@ -146,6 +153,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         "request_timeout_s",
         "first_token",
         "disaggregation",
+        "max_migrations",
     )
     for name in names:
         if getattr(args, name) is not None:

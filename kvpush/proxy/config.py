@@ -82,6 +82,9 @@ class ProxyConfig:
     # say ends requests sooner ("auto"; kvpush.proxy.paths); "always" pushes every prompt,
     # "never" none
     disaggregation: str = "auto"
+    # a stream whose engine fails mid-answer continues on another engine, at most this many
+    # times (kvpush.proxy.migrate); 0: it ends with an error event
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS:
@@ -99,6 +102,8 @@ class ProxyConfig:
             )
         if self.max_decode_prompt_tokens is not None and self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.admission_wait_s < 0:
             raise ValueError(f"admission_wait_s must be >= 0, got {self.admission_wait_s}")
         for e in self.engines:

@@ -20,6 +20,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import msgspec
@@ -28,6 +29,7 @@ from kvpush.proxy import paths
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
+from kvpush.proxy.migrate import Progress, Rewriter, unsupported
 from kvpush.proxy.pool import EnginePool
 from kvpush.proxy.prefix import block_hashes
 from kvpush.proxy.splice import Skip, first_token
@@ -104,6 +106,15 @@ class LegBroken(LegError):
     """The connection to the engine was lost while the leg ran."""
 
 
+class DecodeLost(LegError):
+    """The engine answering the client (decode's leg, or a whole request's) failed before
+    the client got a byte of its answer: the request can be served elsewhere."""
+
+    def __init__(self, engine: EngineState, error: LegError) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.engine, self.error = engine, error
+
+
 class PrefillLost(Exception):
     """The prefill engine failed (connection lost or refused, or a 5xx) before the client got a
     byte: the request can be sent elsewhere."""
@@ -113,17 +124,32 @@ class Abandon(Protocol):
     def abandon(self, address: PrefillAddress, transfer_id: str, reason: str) -> None: ...
 
 
+class Filter(Protocol):
+    def feed(self, data: bytes) -> bytes: ...
+
+
+def _no_finish(finished: bool, ended: bool = True) -> None:
+    pass
+
+
 @dataclass
 class Answer:
     """Decode's answer: whole (`body`), or a stream whose first chunk is in hand. For a stream,
-    `Dispatcher.relay` copies the rest and then runs `finish` exactly once."""
+    `relay` copies the rest and then runs `finish(finished)` exactly once; `finish(False,
+    ended=False)` first, if the stream moves to another engine, only closes this one's leg."""
 
     trace: Trace
     body: bytes | None
     first: bytes = b""
     stream: DecodeResponse | None = None  # None with `first`: prefill's token was the answer
-    finish: Callable[[bool], None] = lambda finished: None
-    skip: Skip | None = None  # decode's stream less the first token, already in `first`
+    finish: Callable[..., None] = _no_finish
+    # decode's stream less the first token, already in `first` (splice.Skip), or a
+    # continuation's as the rest of the client's (migrate.Rewriter)
+    skip: Filter | None = None
+    engine: EngineState | None = None  # whose stream it is
+    progress: Progress | None = None  # what the client has been sent (kvpush.proxy.migrate)
+    # the stream continued on another engine after `engine` failed (its cause), or None
+    resume: Callable[[str, BaseException | None], Awaitable[Answer | None]] | None = None
 
 
 class Dispatcher:
@@ -169,11 +195,20 @@ class Dispatcher:
         try:
             try:
                 tokens, hashes = estimate_prompt_tokens(body, chat), block_hashes(body, chat)
+                movable = self.config.max_migrations > 0 and unsupported(body, chat) is None
+                progress = Progress(body, chat) if movable else None
+                if movable:  # the tokens sent, to continue from (stripped from the client's)
+                    body = body | {"return_token_ids": True}
                 call = Call(body, chat, headers, trace, tokens, accept, hashes)
                 trace.prompt_tokens, trace.streamed = call.tokens, bool(body.get("stream"))
-                if self.config.mode == "push":
-                    return await self._push(call)
-                return await self._pull(call)
+                try:
+                    if self.config.mode == "push":
+                        answer = await self._push(call)
+                    else:
+                        answer = await self._pull(call)
+                except DecodeLost as e:
+                    answer = await self._elsewhere(call, e)
+                return self._movable(call, answer, progress)
             except BaseException as e:
                 trace.status = f"failed: {type(e).__name__}"
                 self.metrics.observe_latency(trace)
@@ -323,6 +358,25 @@ class Dispatcher:
             return await self.run.answer(decode, d_body, headers, call)
         return await self._local(await self.pool.admit(tokens), call)
 
+    async def _elsewhere(self, call: Call, lost: DecodeLost) -> Answer:
+        """The engine answering the request failed before the client got a byte of it: the
+        request, whole, on another healthy engine (once), as a plain one."""
+        healthy = [s for s in self.pool.states if s.healthy and s is not lost.engine]
+        if not healthy or "whole" in call.trace.reroutes:
+            raise lost
+        if isinstance(lost.error, LegBroken):
+            self.pool.mark_failed(lost.engine, lost.error)
+        log.warning(
+            "request %s: engine %s failed before the client got a byte (%s); serving it whole "
+            "on another engine",
+            call.trace.request_id,
+            lost.engine.info.url,
+            lost,
+        )
+        call.trace.reroutes.append("whole")
+        self.metrics.rerouted.labels("whole").inc()
+        return await self._whole(paths.plain_engine(healthy, call.tokens, call.hashes), call)
+
     async def _local(self, decode: EngineState, call: Call) -> Answer:
         """No prefill engine is left: decode computes the prompt itself."""
         call.trace.reroutes.append("decode")
@@ -354,6 +408,83 @@ class Dispatcher:
             seconds = trace.at["first_chunk"] - trace.at["legs_sent"]
             engine.rate.observe_prompt(seconds, ahead + work)
         return answer
+
+    def _movable(self, call: Call, answer: Answer, progress: Progress | None) -> Answer:
+        """A stream, with what to do if its engine fails mid-answer (`relay`): continue it on
+        another engine where it can (`progress`: the request can be continued)."""
+        if answer.stream is not None:
+            answer.progress = progress
+            answer.resume = partial(self._migrate, call, progress, answer.engine)
+        return answer
+
+    async def _migrate(
+        self,
+        call: Call,
+        progress: Progress | None,
+        failed: EngineState | None,
+        cause: str,
+        error: BaseException | None,
+    ) -> Answer | None:
+        """The rest of a stream whose engine (`failed`) failed mid-answer, from another
+        healthy engine (kvpush.proxy.migrate); None, counted, when it cannot go on: the
+        request cannot be continued, it has moved `max_migrations` times, or no engine is
+        left."""
+        answer = None
+        if progress is not None:
+            answer = await self._continue(call, progress, failed, cause, error)
+        if answer is None:
+            self.metrics.lost.labels(cause).inc()
+        return answer
+
+    async def _continue(
+        self,
+        call: Call,
+        progress: Progress,
+        failed: EngineState | None,
+        cause: str,
+        error: BaseException | None,
+    ) -> Answer | None:
+        trace = call.trace
+        body = progress.continuation(call.body)
+        if body is None or len(trace.migrations) >= self.config.max_migrations:
+            return None
+        if failed is not None and isinstance(error, LegBroken | EngineUnreachable):
+            self.pool.mark_failed(failed, error)
+        trace.migrations.append(cause)
+        trace.measured = False  # not a measure of its path any more (paths.Ways)
+        self.metrics.migrated.labels(cause).inc()
+        log.warning(
+            "request %s: its engine %s failed mid-stream (%s: %s) after %d tokens; "
+            "continuing it on another engine",
+            trace.request_id,
+            failed.info.url if failed is not None else "-",
+            cause,
+            error or progress.error,
+            len(progress.token_ids),
+        )
+        progress.resumed()
+        if progress.complete(call.body):  # only the end was missing
+            return Answer(trace, None, progress.ending(call.body), progress=progress)
+        healthy = [s for s in self.pool.states if s.healthy and s is not failed]
+        if not healthy and failed is not None and failed.healthy:
+            healthy = [failed]  # it answered with an error but is up: it is all there is
+        if not healthy:
+            return None
+        tokens = len(body["prompt"])
+        engine = paths.plain_engine(healthy, tokens, ())
+        sub = Call(body, False, call.headers, trace, tokens)
+        kept = dict(trace.at)  # the stream's own events: its first token stays its first
+        self.pool.acquire(engine, tokens)
+        try:
+            headers = sub.leg_headers() | FRONT_END_OFF
+            answer = await self.run.answer(engine, body, headers, sub)
+        except (ProxyError, LegError, TimeoutError) as e:
+            return await self._continue(call, progress, engine, "resume", e)
+        finally:
+            trace.at.update(kept)
+        rewriter = Rewriter(progress)
+        answer.first, answer.skip = rewriter.feed(answer.first), rewriter
+        return self._movable(call, answer, progress)
 
     def _ended(self, trace: Trace) -> None:
         """A request's answer ended: its timeline, and its TPOT into its path's measure."""
@@ -473,20 +604,29 @@ class LegRunner:
             self.pool.release(decode, tokens)
             if isinstance(e, EngineUnreachable):
                 self.pool.mark_failed(decode, e)
+            decode_failed = not (p_task is not None and prefill_failure(p_task) is e)
+            if decode_failed and isinstance(e, LegError) and not isinstance(e, LegTimeout):
+                raise DecodeLost(decode, e) from e
             raise
         d_resp = hold[0]
         ends = first is not None and first.ends
         streaming = bool(d_body.get("stream")) and not ends
         decode.decoding += streaming
+        leg_open = True
 
-        def finish(finished: bool) -> None:
-            if finished and not ends:
-                d_resp.release()
-            else:
-                d_resp.close()
-                abandon()
-            self.pool.release(decode, tokens)
-            decode.decoding -= streaming
+        def finish(finished: bool, ended: bool = True) -> None:
+            nonlocal leg_open
+            if leg_open:
+                leg_open = False
+                if finished and not ends:
+                    d_resp.release()
+                else:
+                    d_resp.close()
+                    abandon()
+                self.pool.release(decode, tokens)
+                decode.decoding -= streaming
+            if not ended:  # the stream goes on from another engine (Dispatcher._migrate)
+                return
             trace.status = "ok" if finished else "ended early"
             # prefill's answer can come after decode's: the timeline waits for it
             if p_task is not None and not p_task.done():
@@ -499,13 +639,14 @@ class LegRunner:
             if ends:  # and its last: decode's leg ends here (an ABANDON frees prefill)
                 trace.at["last_chunk"] = trace.at["first_token"]
                 return Answer(trace, None, first.events, None, finish)
-            return Answer(trace, None, first.events, d_resp, finish, Skip(first, chat))
+            skip = Skip(first, chat)
+            return Answer(trace, None, first.events, d_resp, finish, skip, decode)
         trace.at["first_token"] = trace.mark("first_chunk")
         if not d_body.get("stream"):
             trace.at["last_chunk"] = trace.at["first_chunk"]
             finish(True)
             return Answer(trace, data)
-        return Answer(trace, None, data, d_resp, finish)
+        return Answer(trace, None, data, d_resp, finish, engine=decode)
 
     async def _decode_leg(
         self,

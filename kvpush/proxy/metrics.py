@@ -32,9 +32,26 @@ class ProxyMetrics:
         )
         self.rerouted = Counter(
             "kvpush_proxy_rerouted",
-            "requests re-sent after their prefill engine failed before the client got a byte: "
-            "to another prefill engine, or to decode as a plain request",
+            "requests re-sent after an engine failed before the client got a byte: after "
+            "their prefill engine failed, to another prefill engine or to decode as a plain "
+            "request; after the engine answering them failed, whole to another engine",
             ["to"],
+            registry=r,
+        )
+        self.migrated = Counter(
+            "kvpush_proxy_migrated",
+            "streams continued on another engine after theirs failed mid-answer "
+            "(kvpush.proxy.migrate), by cause: broken (connection lost), timeout, error (an "
+            "error event), ended (the stream ended before [DONE]), resume (the engine chosen "
+            "to continue failed too)",
+            ["cause"],
+            registry=r,
+        )
+        self.lost = Counter(
+            "kvpush_proxy_streams_failed",
+            "streams ended with an error event after their engine failed mid-answer: they "
+            "could not be continued (see kvpush.proxy.migrate), by cause as migrated",
+            ["cause"],
             registry=r,
         )
         self.path = Counter(
@@ -132,6 +149,7 @@ class ProxyMetrics:
                 "measured": trace.measured,  # in the measure of its way (paths.Ways)
                 "prompt_tokens": trace.prompt_tokens,
                 "streamed": trace.streamed,
+                "migrations": list(trace.migrations),
                 "chunks": trace.num_chunks,  # streamed chunks: about one a token
                 "tpot_s": trace.tpot_s,  # per streamed chunk after the first
                 "phases_s": phases,

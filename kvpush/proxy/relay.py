@@ -8,49 +8,93 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvpush.proxy.dispatch import DONE, Answer, LegError, sse_error
+from kvpush.proxy.dispatch import DONE, Answer, LegError, LegTimeout, sse_error
 
 log = logging.getLogger(__name__)
+Write = Callable[[bytes], Awaitable[Any]]
 
 
-async def relay(
-    answer: Answer,
-    start: Callable[[], Awaitable[Any]],
-    write: Callable[[bytes], Awaitable[Any]],
-) -> None:
-    """Copy a streamed answer to the client; `finish` runs once, however it ends. A decode
-    failure mid-stream ends the stream with an error event."""
-    trace, finished, skip = answer.trace, answer.stream is None, answer.skip
-    num_chunks = 0 if skip is not None else 1
+class Failed(Exception):
+    """The stream's engine failed mid-answer: `cause` as kvpush_proxy_migrated counts it."""
+
+    def __init__(self, cause: str, error: BaseException | None = None) -> None:
+        super().__init__(cause)
+        self.cause, self.error = cause, error
+
+
+async def relay(answer: Answer, start: Callable[[], Awaitable[Any]], write: Write) -> None:
+    """Copy a streamed answer to the client; each answer's `finish` runs once, however it
+    ends. When its engine fails mid-answer the stream goes on from another engine where the
+    dispatcher can continue it (`Answer.resume`, kvpush.proxy.migrate), else it ends with an
+    error event."""
+    trace, finished = answer.trace, False
+    trace.num_chunks = 0 if answer.skip is not None else 1
     try:
         await start()
-        await write(answer.first)
-        if answer.stream is None:  # prefill's token was the whole answer
-            return
-        chunks = answer.stream.content.iter_any().__aiter__()
-        while not finished:
+        while True:
             try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:  # decode ended its stream: complete
-                finished = True
-                break
-            except (LegError, TimeoutError) as e:
-                log.warning("decode's stream failed mid-answer: %r", e)
-                await write(sse_error(502, f"decode engine failed mid-stream: {e!r}"))
-                break
-            num_chunks += 1
-            if skip is None:
-                await write(chunk)
-            else:
-                if num_chunks == 1:
-                    trace.mark("first_chunk")
-                if data := skip.feed(chunk):
-                    await write(data)
-            # The answer is complete: a client may close its connection the moment it
-            # reads this, before decode's stream ends.
-            finished = chunk.endswith(DONE)
-        if finished:
+                await _copy(answer, write)
+            except Failed as failure:
+                answer.finish(False, ended=False)  # the failed leg closes first
+                resumed = None
+                if answer.resume is not None:
+                    resumed = await answer.resume(failure.cause, failure.error)
+                if resumed is None:
+                    reason = failure.error or (answer.progress and answer.progress.error)
+                    message = f"decode engine failed mid-stream ({failure.cause}): " + (
+                        repr(reason) if reason else "its stream ended before [DONE]"
+                    )
+                    log.warning("%s", message)
+                    await write(sse_error(502, message))
+                    return
+                answer = resumed
+                continue
+            finished = True
             trace.mark("last_chunk")
-        trace.num_chunks = num_chunks
+            return
     finally:
         answer.finish(finished)
+
+
+async def _copy(answer: Answer, write: Write) -> None:
+    """One engine's stream, to its end; Failed if it fails first."""
+    trace, skip, progress = answer.trace, answer.skip, answer.progress
+
+    async def out(data: bytes) -> None:
+        if progress is not None:
+            data = progress.feed(data)
+        if data:
+            await write(data)
+
+    await out(answer.first)
+    if answer.stream is None:  # prefill's token was the whole answer, or the end was all left
+        return
+    chunks = answer.stream.content.iter_any().__aiter__()
+    while True:
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            if progress is not None and not progress.done:
+                raise Failed("ended") from None
+            return  # decode ended its stream
+        except LegTimeout as e:
+            raise Failed("timeout", e) from e
+        except (LegError, TimeoutError) as e:
+            raise Failed("broken", e) from e
+        trace.num_chunks += 1
+        if skip is None:
+            data = chunk
+        else:
+            if trace.num_chunks == 1:
+                trace.mark("first_chunk")
+            data = skip.feed(chunk)
+        await out(data)
+        if progress is not None:
+            if progress.error:
+                raise Failed("error")
+            if progress.done:
+                return
+        elif chunk.endswith(DONE):
+            # The answer is complete: a client may close its connection the moment it
+            # reads this, before decode's stream ends.
+            return

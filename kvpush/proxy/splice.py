@@ -172,7 +172,7 @@ class Skip:
             return b"data: " + msgspec.json.encode(obj)
         self._strip(obj, choices[0])
         self.done = self._tokens == 0 and self._chars == 0 and not self._role
-        if _empty(choices[0], self.chat) and "usage" not in obj:
+        if empty_choice(choices[0], self.chat) and "usage" not in obj:
             return None
         return b"data: " + msgspec.json.encode(obj)
 
@@ -222,7 +222,7 @@ def _token_lists(choice: dict, chat: bool) -> list[list]:
     return lists
 
 
-def _empty(choice: dict, chat: bool) -> bool:
+def empty_choice(choice: dict, chat: bool) -> bool:
     """Nothing left for the client in this choice."""
     if choice.get("finish_reason") is not None:
         return False

@@ -45,7 +45,8 @@ class Trace:
     num_chunks: int = 0
     prompt_tokens: int = 0  # the dispatcher's estimate (dispatch.estimate_prompt_tokens)
     streamed: bool = False
-    reroutes: list[str] = field(default_factory=list)  # "prefill" or "decode", per re-send
+    reroutes: list[str] = field(default_factory=list)  # "prefill", "decode" or "whole", per re-send
+    migrations: list[str] = field(default_factory=list)  # the cause of each (proxy.migrate)
     path: str = ""  # the prompt's path (kvpush.proxy.paths): "push", "local" or "whole"
     measured: bool = False  # in the proxy's measure of its way of serving (paths.Ways)
     status: str = ""  # how it ended: "ok", or the failure
@@ -58,9 +59,9 @@ class Trace:
 
     @property
     def dispatch_id(self) -> str:
-        """The id both legs carry (X-Request-Id): fresh for each re-send, so an engine never
-        sees a re-sent request under the id of the one it just aborted."""
-        n = len(self.reroutes)
+        """The id both legs carry (X-Request-Id): fresh for each re-send and migration, so an
+        engine never sees a re-sent request under the id of the one it just aborted."""
+        n = len(self.reroutes) + len(self.migrations)
         return f"{self.request_id}-{n}" if n else self.request_id
 
     def phases(self) -> dict[str, float]:
@@ -85,14 +86,15 @@ class Trace:
         events = " ".join(f"{k}={v * 1e3:.1f}" for k, v in self.at.items())
         phases = " ".join(f"{k}={v * 1e3:.1f}" for k, v in self.phases().items())
         log.debug(
-            "request %s transfer_id=%s client_id=%s path=%s status=%s re-sent=%s events_ms: %s; "
-            "phases_ms: %s",
+            "request %s transfer_id=%s client_id=%s path=%s status=%s re-sent=%s migrated=%s "
+            "events_ms: %s; phases_ms: %s",
             self.request_id,
             self.transfer_id or "-",
             self.client_id or "-",
             self.path or "-",
             self.status or "-",
             ",".join(self.reroutes) or "-",
+            ",".join(self.migrations) or "-",
             events,
             phases,
         )

@@ -405,8 +405,11 @@ def test_kvpush_answer_ended_by_prefills_token_closes_decode_and_abandons():
 
 
 def test_kvpush_decode_failure_after_prefills_token_ends_the_stream_with_an_error():
+    """With migration off (tests/proxy/test_migrate.py has it on): the stream is relayed as
+    bytes, and a failure ends it with an error event."""
+
     async def go():
-        dispatcher, pool, legs, abandoner = make(connector="kvpush")
+        dispatcher, pool, legs, abandoner = make(connector="kvpush", max_migrations=0)
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, Trace(None)))
         await until(lambda: legs.prefills and legs.decodes)
         legs.prefills[0].set_result(PREFILL_ANSWER % b"length")

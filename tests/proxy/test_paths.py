@@ -25,6 +25,9 @@ from kvpush.proxy.relay import relay
 from kvpush.proxy.timeline import Trace
 from tests.proxy.test_dispatch import STREAM, idle, make, until
 
+# what reaches the engine: a stream that can move asks for its token ids (proxy.migrate)
+MOVABLE = STREAM | {"return_token_ids": True}
+
 
 def engine(role: str, queued: int = 0, decoding: int = 0) -> EngineState:
     e = EngineState(EngineInfo(f"http://{role}", role, role))
@@ -176,7 +179,7 @@ def test_whole_sends_the_request_unchanged_to_the_prefill_engine_as_a_plain_one(
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.decode_calls)
         (engine_id, body), answer_leg = legs.decode_calls[0], legs.decodes[0]
-        assert engine_id == "p0" and legs.prefill_calls == [] and body == STREAM
+        assert engine_id == "p0" and legs.prefill_calls == [] and body == MOVABLE
         assert trace.path == "whole" and prefill.local_tokens > 0
         answer_leg.chunks.put_nowait(b"data: 1\n\n")
         answer = await task
@@ -199,7 +202,7 @@ def test_with_no_decode_engine_left_a_prefill_engine_serves_requests_whole():
         task = asyncio.ensure_future(dispatcher.dispatch(STREAM, False, {}, trace))
         await until(lambda: legs.decode_calls)
         (engine_id, body), leg = legs.decode_calls[0], legs.decodes[0]
-        assert engine_id == "p0" and body == STREAM and legs.prefill_calls == []
+        assert engine_id == "p0" and body == MOVABLE and legs.prefill_calls == []
         leg.answer(b"data: 1\n\n", b"data: [DONE]\n\n")
         (await task).finish(True)
         assert trace.path == "whole" and dispatcher.metrics.path.labels("whole")._value.get() == 1
