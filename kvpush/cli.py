@@ -66,6 +66,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return serve.main(args)
 
 
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from kvpush.bench import chaos
+
+    return chaos.main(args)
+
+
 def _plan(args: argparse.Namespace) -> int:
     import urllib.error
 
@@ -352,6 +358,43 @@ def build_parser() -> argparse.ArgumentParser:
     connector_extra_flag(bserve)
     engine_flags(bserve)
     bserve.set_defaults(func=_bench_serve)
+
+    from kvpush.bench.chaos import ChaosConfig
+    from kvpush.proxy.config import DISAGGREGATION
+
+    bchaos = bench_sub.add_parser(
+        "chaos",
+        help="Poisson load on a local stack while its engines are killed and restarted at "
+        "random; what every request got (JSON)",
+    )
+    bchaos.add_argument("--duration-s", type=float, default=ChaosConfig.duration_s)
+    bchaos.add_argument("--qps", type=float, default=ChaosConfig.qps)
+    bchaos.add_argument("--prefill", type=int, default=ChaosConfig.num_prefill)
+    bchaos.add_argument("--decode", type=int, default=ChaosConfig.num_decode)
+    bchaos.add_argument(
+        "--kill-every-s",
+        type=float,
+        default=ChaosConfig.kill_every_s,
+        help="mean seconds between kills (default: %(default)s); 0: none, an overload run",
+    )
+    bchaos.add_argument("--max-tokens", type=int, default=ChaosConfig.max_tokens)
+    bchaos.add_argument("--min-input-len", type=int, default=ChaosConfig.min_input_len)
+    bchaos.add_argument("--max-input-len", type=int, default=ChaosConfig.max_input_len)
+    bchaos.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION,
+        default="always",
+        help="the proxy's (default: always, so that every request takes the push path and "
+        "its failures; the product's default, auto, mostly serves plain on 2 cores)",
+    )
+    bchaos.add_argument("--seed", type=int, help="default: a new one, recorded")
+    bchaos.add_argument("--model", help="default: the embedded tiny model")
+    bchaos.add_argument(
+        "--results-dir",
+        default=f"results/chaos-{time.strftime('%Y%m%d-%H%M%S')}",
+        help="chaos.json and the engines' logs go here",
+    )
+    bchaos.set_defaults(func=_bench_chaos)
 
     plot = sub.add_parser("plot", help="figures and summary.md from bench serve results")
     plot.add_argument("results_dir")

@@ -144,6 +144,7 @@ class ProxyMetrics:
         self.recent.append(
             {
                 "transfer_id": trace.transfer_id,
+                "client_id": trace.client_id,  # the client's X-Request-Id, if it sent one
                 "status": trace.status,
                 "path": trace.path,
                 "measured": trace.measured,  # in the measure of its way (paths.Ways)
