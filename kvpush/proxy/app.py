@@ -19,19 +19,17 @@ import msgspec
 from aiohttp import web
 
 from kvpush.proxy.config import EngineState, ProxyConfig
-from kvpush.proxy.dispatch import (
+from kvpush.proxy.dispatch import Dispatcher, route, sse_error
+from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.legs import (
     DecodeResponse,
-    Dispatcher,
     EngineUnreachable,
     LegBroken,
     LegError,
     LegTimeout,
     PrefillLost,
     error_text,
-    route,
-    sse_error,
 )
-from kvpush.proxy.errors import ProxyError
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
 from kvpush.proxy.relay import relay

@@ -46,15 +46,9 @@ from kvpush.asgi import (
 )
 from kvpush.proxy.app import HttpLegs, check_request, describe, forward_headers, parse_json
 from kvpush.proxy.config import EngineState, ProxyConfig, load_file
-from kvpush.proxy.dispatch import (
-    FRONT_END_OFF,
-    Dispatcher,
-    PrefillLost,
-    error_text,
-    route,
-    sse_error,
-)
+from kvpush.proxy.dispatch import FRONT_END_OFF, Dispatcher, route, sse_error
 from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.legs import PrefillLost, error_text
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
 from kvpush.proxy.relay import relay

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from kvpush.proxy.splice import empty_choice
+from kvpush.proxy.splice import empty_choice, event_json
 
 _EVENT_END = b"\n\n"
 _DONE = b"data: [DONE]"
@@ -104,13 +104,8 @@ class Progress:
         if event.startswith(_DONE):
             self.done = True
             return event
-        if not event.startswith(b"data: "):
-            return event
-        try:
-            obj = msgspec.json.decode(event[6:])
-        except msgspec.DecodeError:
-            return event
-        if not isinstance(obj, dict):
+        obj = event_json(event)
+        if obj is None:
             return event
         if "error" in obj:
             error = obj["error"]
@@ -233,13 +228,8 @@ class Rewriter:
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: ") or event.startswith(_DONE):
-            return event
-        try:
-            obj = msgspec.json.decode(event[6:])
-        except msgspec.DecodeError:
-            return event
-        if not isinstance(obj, dict) or "error" in obj:
+        obj = event_json(event)
+        if obj is None or "error" in obj:
             return event
         progress = self.progress
         obj |= {k: v for k, v in progress.head.items() if v is not None}

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvpush.proxy.dispatch import DONE, Answer, LegError, LegTimeout, sse_error
+from kvpush.proxy.dispatch import DONE, sse_error
+from kvpush.proxy.legs import Answer, LegError, LegTimeout
 
 log = logging.getLogger(__name__)
 Write = Callable[[bytes], Awaitable[Any]]

@@ -156,11 +156,8 @@ class Skip:
         if not event.startswith(b"data: ") or event.startswith(_DONE_EVENT):
             self.done = True  # nothing to skip any more (an error, or the end)
             return event
-        try:
-            obj = msgspec.json.decode(event[6:])
-        except msgspec.DecodeError:
-            return event
-        if not isinstance(obj, dict):
+        obj = event_json(event)
+        if obj is None:
             return event
         created = obj.get("created")
         if isinstance(created, int) and created != self.created:
@@ -220,6 +217,18 @@ def _token_lists(choice: dict, chat: bool) -> list[list]:
         keys = ("content",) if chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset")
         lists += [logprobs[k] for k in keys if isinstance(logprobs.get(k), list)]
     return lists
+
+
+def event_json(event: bytes) -> dict | None:
+    """An SSE event's data as a JSON object; None for anything else (`[DONE]`, a comment,
+    data that is not a JSON object)."""
+    if not event.startswith(b"data: ") or event.startswith(_DONE_EVENT):
+        return None
+    try:
+        obj = msgspec.json.decode(event[6:])
+    except msgspec.DecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def empty_choice(choice: dict, chat: bool) -> bool:

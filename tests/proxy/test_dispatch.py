@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from kvpush.proxy import dispatch
 from kvpush.proxy.config import EngineInfo, ProxyConfig
-from kvpush.proxy.dispatch import Dispatcher, PrefillLost
+from kvpush.proxy.dispatch import Dispatcher
 from kvpush.proxy.errors import ProxyError
+from kvpush.proxy.legs import EngineUnreachable, LegBroken, LegError, LegTimeout, PrefillLost
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.pool import EnginePool
 from kvpush.proxy.relay import relay
@@ -414,7 +414,7 @@ def test_kvpush_decode_failure_after_prefills_token_ends_the_stream_with_an_erro
         await until(lambda: legs.prefills and legs.decodes)
         legs.prefills[0].set_result(PREFILL_ANSWER % b"length")
         answer = await task
-        legs.decodes[0].answer(decode_chunk("A"), dispatch.LegBroken("reset"))
+        legs.decodes[0].answer(decode_chunk("A"), LegBroken("reset"))
         out: list[bytes] = []
 
         async def write(b: bytes) -> None:
@@ -516,7 +516,7 @@ def test_a_streamed_request_is_accepted_once_decode_has_and_before_prefills_answ
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("lost", [dispatch.EngineUnreachable, dispatch.LegBroken])
+@pytest.mark.parametrize("lost", [EngineUnreachable, LegBroken])
 def test_a_prefill_whose_connection_fails_is_marked_down_and_the_request_re_sent(lost):
     """The legs raise the dispatcher's own errors (proxy.app turns aiohttp's into them)."""
 
@@ -536,9 +536,7 @@ def test_a_prefill_whose_connection_fails_is_marked_down_and_the_request_re_sent
     asyncio.run(go())
 
 
-@pytest.mark.parametrize(
-    ("error", "status"), [(dispatch.LegTimeout, 504), (dispatch.LegError, 502)]
-)
+@pytest.mark.parametrize(("error", "status"), [(LegTimeout, 504), (LegError, 502)])
 def test_a_prefill_leg_that_times_out_or_fails_otherwise_is_not_re_sent(error, status):
     async def go():
         dispatcher, pool, legs, _ = make()

@@ -8,9 +8,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from kvpush.proxy import dispatch
 from kvpush.proxy.app import HttpLegs, transport_errors
 from kvpush.proxy.config import EngineInfo, EngineState, ProxyConfig
+from kvpush.proxy.legs import EngineUnreachable, LegBroken, LegError, LegTimeout
 from kvpush.proxy.pool import EnginePool
 from tests.proxy.fake_engine import fake_engine
 from tests.servers import free_port, run_server
@@ -21,15 +21,15 @@ STREAM = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True}
 @pytest.mark.parametrize(
     ("raised", "expected"),
     [
-        (aiohttp.ServerTimeoutError("read"), dispatch.LegTimeout),
-        (aiohttp.ServerDisconnectedError(), dispatch.LegBroken),
-        (aiohttp.ClientOSError(104, "reset"), dispatch.LegBroken),
-        (aiohttp.ClientPayloadError("truncated"), dispatch.LegError),
+        (aiohttp.ServerTimeoutError("read"), LegTimeout),
+        (aiohttp.ServerDisconnectedError(), LegBroken),
+        (aiohttp.ClientOSError(104, "reset"), LegBroken),
+        (aiohttp.ClientPayloadError("truncated"), LegError),
     ],
 )
 def test_aiohttp_errors_become_the_dispatchers_own(raised, expected):
     engine = EngineState(EngineInfo("http://d0", "decode", "d0"))
-    with pytest.raises(dispatch.LegError) as got, transport_errors(engine):
+    with pytest.raises(LegError) as got, transport_errors(engine):
         raise raised
     assert type(got.value) is expected and got.value.__cause__ is raised
     assert "http://d0" in str(got.value)
@@ -57,9 +57,9 @@ def test_an_engine_nobody_listens_for_is_unreachable():
         await pool.start()
         try:
             prefill, decode = pool.states
-            with pytest.raises(dispatch.EngineUnreachable):
+            with pytest.raises(EngineUnreachable):
                 await legs.prefill(prefill, False, STREAM, {})
-            with pytest.raises(dispatch.EngineUnreachable):
+            with pytest.raises(EngineUnreachable):
                 await legs.decode(decode, False, STREAM, {})
         finally:
             await pool.stop()
@@ -80,7 +80,7 @@ def test_a_stream_that_fails_mid_answer_raises_a_leg_error_from_its_reads():
                 response = await legs.decode(pool.states[1], False, STREAM, {})
                 assert response.status == 200
                 chunks = []
-                with pytest.raises(dispatch.LegError):
+                with pytest.raises(LegError):
                     async for chunk in response.content.iter_any():
                         chunks.append(chunk)
                 assert b"".join(chunks).startswith(b"data: ")  # the first event came through

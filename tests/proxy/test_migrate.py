@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from kvpush.proxy import dispatch
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.dispatch import Dispatcher
+from kvpush.proxy.legs import LegBroken
 from kvpush.proxy.metrics import ProxyMetrics
 from kvpush.proxy.migrate import Progress, Rewriter, unsupported
 from kvpush.proxy.pool import EnginePool
@@ -104,7 +104,7 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5, "stream": True}
 
 @pytest.mark.parametrize(
     "failure",
-    [dispatch.LegBroken("reset"), b'data: {"error": {"message": "EngineDeadError"}}\n\n', None],
+    [LegBroken("reset"), b'data: {"error": {"message": "EngineDeadError"}}\n\n', None],
     ids=["connection-lost", "error-event", "ended-early"],
 )
 def test_a_stream_whose_decode_fails_continues_on_the_other_decode_engine(failure):
@@ -133,7 +133,7 @@ def test_a_stream_whose_decode_fails_continues_on_the_other_decode_engine(failur
         assert all("token_ids" not in c for e in evs[:-1] for c in e["choices"])  # not asked
         assert [c["finish_reason"] for e in evs[:-1] for c in e["choices"]][-1] == "length"
         assert not any("error" in e for e in evs[:-1])
-        cause = {dispatch.LegBroken: "broken", bytes: "error", type(None): "ended"}[type(failure)]
+        cause = {LegBroken: "broken", bytes: "error", type(None): "ended"}[type(failure)]
         assert metrics.migrated.labels(cause)._value.get() == 1
         assert answer.trace.migrations == [cause] and answer.trace.status == "ok"
         assert d0.closed and legs.decodes[1].released
@@ -148,7 +148,7 @@ def test_usage_counts_the_whole_answer_and_the_client_keeps_its_token_ids():
         dispatcher, pool, legs, _ = make()
         body = BODY | {"return_token_ids": True, "stream_options": {"include_usage": True}}
         answer = await start(dispatcher, legs, body)
-        legs.decodes[0].answer(chunk("A", 10), dispatch.LegBroken("reset"))
+        legs.decodes[0].answer(chunk("A", 10), LegBroken("reset"))
         relaying = asyncio.ensure_future(run_relay(answer))
         await until(lambda: len(legs.decodes) == 2)
         assert legs.decode_calls[1][1]["stream_options"] == {"include_usage": True}
@@ -229,7 +229,7 @@ def test_a_request_that_cannot_be_continued_is_relayed_as_bytes():
         assert "return_token_ids" not in legs.decode_calls[0][1]
         legs.prefills[0].set_result(prefill_answer("A", 10))
         answer = await task
-        legs.decodes[0].answer(chunk("A", 10), dispatch.LegBroken("reset"))
+        legs.decodes[0].answer(chunk("A", 10), LegBroken("reset"))
         evs = await run_relay(answer)
         assert evs[-2]["error"]["code"] == 502 and len(legs.decodes) == 1
         assert metrics.lost.labels("broken")._value.get() == 1
@@ -293,7 +293,7 @@ class FailingLegs(FakeLegs):
     async def decode(self, engine, chat, body, headers):
         if not self.decode_calls:
             self.decode_calls.append((engine.info.engine_id, body))
-            raise dispatch.LegBroken("reset before headers")
+            raise LegBroken("reset before headers")
         return await super().decode(engine, chat, body, headers)
 
 
