@@ -378,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="mean seconds between kills (default: %(default)s); 0: none, an overload run",
     )
     bchaos.add_argument("--max-tokens", type=int, default=ChaosConfig.max_tokens)
+    bchaos.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=ChaosConfig.request_timeout_s,
+        help="a request not ended by then counts as failed (default: %(default)s)",
+    )
     bchaos.add_argument("--min-input-len", type=int, default=ChaosConfig.min_input_len)
     bchaos.add_argument("--max-input-len", type=int, default=ChaosConfig.max_input_len)
     bchaos.add_argument(

@@ -56,6 +56,15 @@ def proxy_table(data: dict) -> str:
         "|" + "---|" * len(head),
         "| " + " | ".join(cells) + " |",
     ]
+    if "streamed_tokens" in data:  # streamed answers, relayed event by event or as bytes
+        head = [f"a streamed answer of {data['streamed_tokens']} events", "direct median",
+                "through the proxy, event by event (migration on)",
+                "as bytes (migration off)", "parsing, per event"]  # fmt: skip
+        cells = ["median", *(f"{data[k]:.2f} ms" for k in ("streamed_direct_median_ms",
+                 "streamed_proxy_median_ms", "streamed_proxy_bytes_median_ms")),
+                 f"{data['parse_per_event_us']:+.2f} us"]  # fmt: skip
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                  "| " + " | ".join(cells) + " |"]  # fmt: skip
     return f"{data['hardware']['cpus']} CPUs, {data['upstream']}:\n\n" + "\n".join(lines)
 
 
@@ -210,7 +219,7 @@ def chaos_table(folder: str) -> str:
     cfg = data["config"]
     checked = data["checked_against_plain"]
     held = sum(v for e in data["engines_at_end"].values() for k, v in e.items()
-               if k != "leases_expired")  # fmt: skip
+               if k not in ("leases_expired", "preemptions"))  # fmt: skip
     head = ["stack", "load", "kills", "sent", "200, whole", "503", "failed", "migrated",
             "re-sent", "leases expired", "equal to plain", "held at the end"]  # fmt: skip
     cells = [

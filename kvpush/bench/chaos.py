@@ -35,6 +35,7 @@ from kvpush.launch.engine import Engine
 from kvpush.launch.stack import Stack
 
 NUM_CHECKED_PLAIN = 50  # requests not migrated whose answers are checked against a plain one
+NOT_HELD = ("leases_expired", "preemptions")  # counts, in an engine's state at the end
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Outcome:
     prompt: list[int]
     max_tokens: int
     status: str = ""  # "ok", "refused" (503 at admission), or what failed
+    seconds: float = 0.0  # from sending it to its end
     token_ids: list[int] = field(default_factory=list)
 
 
@@ -85,6 +87,7 @@ async def one_request(c: aiohttp.ClientSession, url: str, out: Outcome, timeout_
         "stream_options": {"include_usage": True},
     }  # fmt: skip
     headers = {"X-Request-Id": out.request_id}
+    start = time.monotonic()
     try:
         async with asyncio.timeout(timeout_s):
             async with c.post(url + "/v1/completions", json=body, headers=headers) as r:
@@ -99,6 +102,8 @@ async def one_request(c: aiohttp.ClientSession, url: str, out: Outcome, timeout_
         out.status = f"no answer in {timeout_s:g} s"
     except aiohttp.ClientError as e:
         out.status = f"{type(e).__name__}: {e}"
+    finally:
+        out.seconds = time.monotonic() - start
 
 
 async def read_events(r: aiohttp.ClientResponse) -> list[Any]:
@@ -260,12 +265,22 @@ def engine_at_end(url: str, timeout_s: float = 60) -> dict[str, Any]:
         held = {f"kvpush:{g}": samples.get(f"kvpush:{g}", 0.0) for g in GAUGES}
         state = {"kv_cache_usage_perc": samples.get("vllm:kv_cache_usage_perc", 0.0)} | held
         if not any(state.values()) or time.monotonic() > deadline:
-            return state | {"leases_expired": leases_expired(url)}
+            preempted = samples.get("vllm:num_preemptions_total", 0.0)
+            return state | {"leases_expired": leases_expired(url), "preemptions": preempted}
         time.sleep(0.5)
+
+
+def percentiles(values: list[float]) -> list[float]:
+    """The median and the 99th percentile, rounded to 10 ms; [] for no values."""
+    if not values:
+        return []
+    ordered = sorted(values)
+    return [round(ordered[int(q * (len(ordered) - 1))], 2) for q in (0.5, 0.99)]
 
 
 def summary(chaos: Chaos, proxy: dict[str, float], engines: dict[str, dict]) -> dict[str, Any]:
     failed = [o for o in chaos.outcomes if o.status not in ("ok", "refused")]
+    done = [o for o in chaos.outcomes if o.status == "ok"]
     reasons: dict[str, int] = {}
     for o in failed:
         reasons[o.status] = reasons.get(o.status, 0) + 1
@@ -282,6 +297,7 @@ def summary(chaos: Chaos, proxy: dict[str, float], engines: dict[str, dict]) -> 
         "completed_ok": sum(o.status == "ok" for o in chaos.outcomes),
         "refused_503": sum(o.status == "refused" for o in chaos.outcomes),
         "failed": len(failed),
+        "seconds_to_end_p50_p99": percentiles([o.seconds for o in done]),
         "failure_reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:10]),
         "migrated": total("kvpush_proxy_migrated_total"),
         "migrated_by_cause": labelled("kvpush_proxy_migrated_total"),
@@ -343,6 +359,7 @@ def main(args: Any) -> int:
         duration_s=args.duration_s, qps=args.qps, num_prefill=args.prefill,
         num_decode=args.decode, kill_every_s=args.kill_every_s, max_tokens=args.max_tokens,
         min_input_len=args.min_input_len, max_input_len=args.max_input_len,
+        request_timeout_s=args.request_timeout_s,
         seed=args.seed if args.seed is not None else random.randrange(2**31),
     )  # fmt: skip
     results_dir = Path(args.results_dir)
@@ -356,7 +373,7 @@ def main(args: Any) -> int:
     print("  " + ", ".join(f"{k} {result[k]:g}" for k in keys))
     print(f"  answers checked against plain ones: {result['checked_against_plain']}")
     for name, state in result["engines_at_end"].items():
-        held = {k: v for k, v in state.items() if v and k != "leases_expired"}
+        held = {k: v for k, v in state.items() if v and k not in NOT_HELD}
         print(f"  {name} at the end: {held or 'no KV block in use, every kvpush gauge 0'}")
     print(f"wrote {path}")
     ok = result["failed"] == 0 and not result["checked_against_plain"]["mismatched"]

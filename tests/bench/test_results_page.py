@@ -78,6 +78,7 @@ def test_the_pages_fast_poll_table_comes_from_the_committed_transfer_runs():
         ("knobs_table", "knobs_cpu", 8),  # three settings at two rates
         ("prefix_table", "prefix_cpu", 6),  # two stacks at two rates
         ("paths_table", "ways_cpu", 7),  # five rates
+        ("chaos_table", "chaos_cpu", 3),  # one soak
     ],
 )
 def test_the_pages_tables_of_result_folders_come_from_the_committed_runs(table, folder, num_rows):

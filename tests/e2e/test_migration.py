@@ -150,3 +150,20 @@ def test_a_decode_engine_killed_mid_stream_loses_no_stream_through_the_front_end
     assert not any(k.startswith("kvpush_proxy_streams_failed_total{") for k in metrics)
     wait_idle(trio["first"].spec.url, timeout_s=15)
     restart(trio, "second")
+
+
+def test_the_prefill_engine_killed_mid_flight_loses_no_stream(trio, mono_url):
+    """The only prefill engine SIGKILLed while streams are at every stage: those past their
+    first token decode on; those whose KV was not yet written fail at decode (its liveness)
+    and are migrated; those still waiting on prefill are re-sent to decode. Last in this
+    module: the front end's engine stays down."""
+    config = ProxyConfig(
+        engines=tuple(info(trio[k]) for k in ("prefill", "first", "second")),
+        disaggregation="always",
+    )
+    with run_server(create_app(config)) as url:
+        kill_mid_stream(url, trio["prefill"], mono_url, seed=3)
+        metrics = metric_samples(url)
+    assert metrics['kvpush_proxy_requests_total{mode="push",status="200"}'] == NUM_REQUESTS
+    assert not any(k.startswith("kvpush_proxy_streams_failed_total{") for k in metrics)
+    wait_idle(trio["first"].spec.url, trio["second"].spec.url, timeout_s=30)
