@@ -209,41 +209,49 @@ def prefix_table(folder: str) -> str:
     return "\n".join(lines)
 
 
-def chaos_table(folder: str) -> str:
-    """A soak (`kvpush bench chaos`): what every request got, the kills, and what the
-    engines held once idle (KV blocks in use, kvpush's gauges: the sum over engines)."""
+def chaos_table(*folders: str) -> str:
+    """Soaks (`kvpush bench chaos`), a row each: what every request got, the kills, and what
+    the engines held once idle (KV blocks in use, kvpush's gauges: the sum over engines)."""
     import os
 
-    with open(os.path.join(folder, "chaos.json")) as f:
-        data = json.load(f)
-    cfg = data["config"]
-    checked = data["checked_against_plain"]
-    held = sum(v for e in data["engines_at_end"].values() for k, v in e.items()
-               if k not in ("leases_expired", "preemptions"))  # fmt: skip
     head = ["stack", "load", "kills", "sent", "200, whole", "503", "failed", "migrated",
-            "re-sent", "leases expired", "equal to plain", "held at the end"]  # fmt: skip
-    cells = [
-        f"{cfg['num_prefill']}P{cfg['num_decode']}D",
-        f"{cfg['duration_s']:g} s at {cfg['qps']:g} QPS",
-        str(len(data["kills"])),
-        str(data["requests_sent"]),
-        str(data["completed_ok"]),
-        str(data["refused_503"]),
-        str(data["failed"]),
-        f"{data['migrated']:g}",
-        f"{sum(data['rerouted'].values()):g}",
-        f"{data['leases_expired']:g}",
-        f"{checked['checked'] - len(checked['mismatched'])} of {checked['checked']} "
-        f"({checked['migrated_checked']} migrated)",
-        f"{held:g}",
-    ]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      "| " + " | ".join(cells) + " |"])  # fmt: skip
+            "re-sent", "leases expired", "equal to plain", "held at the end",
+            "preemptions"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for folder in folders:
+        with open(os.path.join(folder, "chaos.json")) as f:
+            data = json.load(f)
+        cfg, checked, engines = (
+            data["config"],
+            data["checked_against_plain"],
+            data["engines_at_end"],
+        )
+        counts = ("leases_expired", "preemptions")
+        held = sum(v for e in engines.values() for k, v in e.items() if k not in counts)
+        preempted = sum(e.get("preemptions", 0) for e in engines.values())
+        cells = [
+            f"{cfg['num_prefill']}P{cfg['num_decode']}D",
+            f"{cfg['duration_s']:g} s at {cfg['qps']:g} QPS",
+            str(len(data["kills"])),
+            str(data["requests_sent"]),
+            str(data["completed_ok"]),
+            str(data["refused_503"]),
+            str(data["failed"]),
+            f"{data['migrated']:g}",
+            f"{sum(data['rerouted'].values()):g}",
+            f"{data['leases_expired']:g}",
+            f"{checked['checked'] - len(checked['mismatched'])} of {checked['checked']} "
+            f"({checked['migrated_checked']} migrated)",
+            f"{held:g}",
+            f"{preempted:g}" if any("preemptions" in e for e in engines.values()) else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--chaos"]:
-        print(chaos_table(sys.argv[2]))
+        print(chaos_table(*sys.argv[2:]))
         sys.exit()
     if sys.argv[1:2] == ["--prefix"]:
         print(prefix_table(sys.argv[2]))
