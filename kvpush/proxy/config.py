@@ -3,6 +3,7 @@ files, or flags) and its settings, checked once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -180,6 +181,9 @@ class EngineState:
     # the prompt blocks it likely holds (kvpush.proxy.prefix); None: it keeps no prefix cache
     prefix: PrefixIndex | None = None
     kv_capacity_tokens: int | None = None  # its KV cache, from its /metrics, once read
+    # set when the engine is taken out of rotation (EnginePool.mark_down); a new one when it
+    # comes back: a stream waiting on this engine's push watches it (proxy/relay.py)
+    down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         if self.prefix is None and self.info.caches_prefixes:

@@ -219,7 +219,7 @@ class Dispatcher:
 
         return await self.run.answer(
             decode, body | {"kv_transfer_params": d_params}, headers, call,
-            p_task, abandon, early=self.first_token_early(decode, body),
+            p_task, abandon, early=self.first_token_early(decode, body), prefill=prefill,
         )  # fmt: skip
 
     def first_token_early(self, decode: EngineState, body: dict) -> bool:

@@ -125,6 +125,9 @@ class Answer:
     progress: Progress | None = None  # what the client has been sent (kvpush.proxy.migrate)
     # the stream continued on another engine after `engine` failed (its cause), or None
     resume: Callable[[str, BaseException | None], Awaitable[Answer | None]] | None = None
+    # a pushed stream whose first token came from prefill: set if the prefill engine is
+    # taken out of rotation before decode's first chunk (its KV may never come)
+    prefill_down: asyncio.Event | None = None
 
 
 class LegRunner:
@@ -165,6 +168,7 @@ class LegRunner:
         abandon: Callable[[], None] = lambda: None,
         early: bool = False,
         held_tokens: int | None = None,
+        prefill: EngineState | None = None,
     ) -> Answer:
         """Decode's headers, then its first chunk or whole answer; a prefill failure before
         that wins, closes decode's leg and is raised.
@@ -263,7 +267,10 @@ class LegRunner:
                 trace.at["last_chunk"] = trace.at["first_token"]
                 return Answer(trace, None, first.events, None, finish)
             skip = Skip(first, chat)
-            return Answer(trace, None, first.events, d_resp, finish, skip, decode)
+            down = prefill.down if prefill is not None else None
+            return Answer(
+                trace, None, first.events, d_resp, finish, skip, decode, prefill_down=down
+            )
         trace.at["first_token"] = trace.mark("first_chunk")
         if not d_body.get("stream"):
             trace.at["last_chunk"] = trace.at["first_chunk"]

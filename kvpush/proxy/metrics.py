@@ -42,8 +42,9 @@ class ProxyMetrics:
             "kvpush_proxy_migrated",
             "streams continued on another engine after theirs failed mid-answer "
             "(kvpush.proxy.migrate), by cause: broken (connection lost), timeout, error (an "
-            "error event), ended (the stream ended before [DONE]), resume (the engine chosen "
-            "to continue failed too)",
+            "error event), ended (the stream ended before [DONE]), prefill (its prefill engine "
+            "was lost before decode's first chunk: its KV may never come), resume (the engine "
+            "chosen to continue failed too)",
             ["cause"],
             registry=r,
         )

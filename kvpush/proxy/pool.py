@@ -97,6 +97,8 @@ class EnginePool:
                 s.kv_capacity_tokens = await self._kv_capacity(client, timeout)
             if not s.healthy:
                 log.info("engine %s is healthy again", s.info.url)
+            if s.down.is_set():
+                s.down = asyncio.Event()
             s.healthy, s.error = True, ""
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
             # A busy engine can miss one check; a refused connection or three misses in a
@@ -107,6 +109,7 @@ class EnginePool:
             if s.healthy and (refused or s.missed_checks >= 3):
                 log.warning("engine %s is unhealthy: %s", s.info.url, s.error)
                 s.healthy = False
+                s.down.set()
             return
         s.missed_checks = 0
 
@@ -161,6 +164,7 @@ class EnginePool:
         if state.healthy:
             log.warning("engine %s failed a request: %r; out of rotation", state.info.url, error)
         state.healthy, state.error = False, f"{type(error).__name__}: {error}"
+        state.down.set()
 
     def has_healthy(self, role: str) -> bool:
         return any(s.healthy and s.info.role == role for s in self.states)

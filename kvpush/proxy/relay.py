@@ -4,6 +4,7 @@ and so are the bytes' way out."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -73,7 +74,10 @@ async def _copy(answer: Answer, write: Write) -> None:
     chunks = answer.stream.content.iter_any().__aiter__()
     while True:
         try:
-            chunk = await chunks.__anext__()
+            if answer.prefill_down is not None and trace.num_chunks == 0:
+                chunk = await _unless_down(chunks.__anext__(), answer.prefill_down)
+            else:
+                chunk = await chunks.__anext__()
         except StopAsyncIteration:
             if progress is not None and not progress.done:
                 raise Failed("ended") from None
@@ -99,3 +103,23 @@ async def _copy(answer: Answer, write: Write) -> None:
             # The answer is complete: a client may close its connection the moment it
             # reads this, before decode's stream ends.
             return
+
+
+async def _unless_down(read: Awaitable[bytes], down: asyncio.Event) -> bytes:
+    """Decode's first chunk of a pushed stream, unless its prefill engine is lost first:
+    then its KV may never come, and decode would learn so only from its own liveness check
+    (seconds later). Failed("prefill") then moves the stream on at once, from the first
+    token the client has."""
+    reading = asyncio.ensure_future(read)
+    waiting = asyncio.ensure_future(down.wait())
+    try:
+        await asyncio.wait((reading, waiting), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the client went away meanwhile
+        reading.cancel()
+        raise
+    finally:
+        waiting.cancel()
+    if reading.done():
+        return reading.result()
+    reading.cancel()
+    raise Failed("prefill")

@@ -315,3 +315,26 @@ def test_an_engine_lost_before_the_client_got_a_byte_serves_the_request_whole_el
         await until(lambda: idle(pool))
 
     asyncio.run(go())
+
+
+def test_a_prefill_engine_lost_before_decodes_first_chunk_moves_the_stream_at_once():
+    """Decode would learn of it from its own liveness check, seconds later; the proxy moves
+    the stream as soon as it takes the prefill engine out of rotation."""
+
+    async def go():
+        dispatcher, pool, legs, metrics = make()
+        answer = await start(dispatcher, legs, BODY)
+        relaying = asyncio.ensure_future(run_relay(answer))
+        await asyncio.sleep(0.01)
+        assert len(legs.decodes) == 1  # waiting on decode's first chunk
+        pool.mark_failed(pool.states[0], LegBroken("p0 refused"))
+        await until(lambda: len(legs.decodes) == 2)
+        assert legs.decode_calls[1][1]["prompt"] == PROMPT + [10]  # from prefill's token
+        legs.decodes[1].answer(chunk("B", 11), chunk("C", 12, finish="stop"), DONE)
+        evs = await relaying
+        assert text(evs) == "ABC" and answer.trace.migrations == ["prefill"]
+        assert metrics.migrated.labels("prefill")._value.get() == 1
+        assert legs.decodes[0].closed
+        await until(lambda: idle(pool))
+
+    asyncio.run(go())
