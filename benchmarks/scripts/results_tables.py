@@ -215,7 +215,7 @@ def chaos_table(*folders: str) -> str:
     import os
 
     head = ["stack", "load", "kills", "sent", "200, whole", "503", "failed", "migrated",
-            "re-sent", "leases expired", "equal to plain", "held at the end",
+            "re-sent", "lease failures, both sides", "equal to plain", "held at the end",
             "preemptions"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for folder in folders:

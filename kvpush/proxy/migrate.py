@@ -58,12 +58,14 @@ def unsupported(body: dict, chat: bool) -> str | None:
         return "echo"
     for key in _OUTPUT_STATE:
         value = body.get(key)
-        if value and not (key == "response_format" and value.get("type") == "text"):
+        text = key == "response_format" and isinstance(value, dict) and value.get("type") == "text"
+        if value and not text:
             return key
     if body.get("presence_penalty") or body.get("frequency_penalty"):
         return "presence or frequency penalty"
-    if (body.get("stream_options") or {}).get("continuous_usage_stats"):
-        return "continuous usage stats"
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or options.get("continuous_usage_stats"):
+        return "continuous usage stats"  # or options vLLM will refuse
     if (body.get("n") or 1) != 1:
         return "n > 1"
     return None

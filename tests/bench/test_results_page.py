@@ -78,7 +78,6 @@ def test_the_pages_fast_poll_table_comes_from_the_committed_transfer_runs():
         ("knobs_table", "knobs_cpu", 8),  # three settings at two rates
         ("prefix_table", "prefix_cpu", 6),  # two stacks at two rates
         ("paths_table", "ways_cpu", 7),  # five rates
-        ("chaos_table", "chaos_cpu", 3),  # one soak
     ],
 )
 def test_the_pages_tables_of_result_folders_come_from_the_committed_runs(table, folder, num_rows):
@@ -89,3 +88,13 @@ def test_the_pages_tables_of_result_folders_come_from_the_committed_runs(table, 
     assert len(rows) == num_rows
     missing = [line for line in rows if line not in PAGE.read_text()]
     assert not missing, f"rows of the {table} of {folder} not on the page: {missing}"
+
+
+def test_the_pages_soak_table_comes_from_both_committed_runs():
+    import runpy
+
+    script = runpy.run_path(str(ROOT / "benchmarks" / "scripts" / "results_tables.py"))
+    rows = script["chaos_table"](str(RESULTS / "chaos_cpu"), str(RESULTS / "overload_cpu"))
+    assert len(rows.splitlines()) == 4
+    missing = [line for line in rows.splitlines() if line not in PAGE.read_text()]
+    assert not missing, f"rows of the soak table not on the page: {missing}"

@@ -338,3 +338,10 @@ def test_a_prefill_engine_lost_before_decodes_first_chunk_moves_the_stream_at_on
         await until(lambda: idle(pool))
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "bad", [{"response_format": "json"}, {"stream_options": "x"}], ids=["format", "options"]
+)
+def test_malformed_options_are_left_to_the_engine_to_refuse(bad):
+    assert unsupported(BODY | bad, False) is not None  # not migrated, and no crash here
