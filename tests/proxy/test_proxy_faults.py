@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvpush import httpclient
-from kvpush.proxy.app import create_app
+from kvpush.proxy.app import POOL, create_app
 from kvpush.proxy.config import EngineInfo, ProxyConfig
 from kvpush.proxy.pool import EnginePool
 from kvpush.transfer import wire
@@ -305,7 +305,9 @@ def test_an_engine_that_fails_health_checks_leaves_rotation_and_comes_back():
             EngineInfo(d_url, "decode"),
         )
         config = ProxyConfig(engines=engines, health_interval_s=0.05, disaggregation="always")
-        with run_server(create_app(config)) as url:
+        app = create_app(config)
+        with run_server(app) as url:
+            first = app[POOL].states[0]  # u1's state: its `down` event (proxy/relay.py)
 
             def healthy() -> bool:
                 status = httpx.get(url + "/status").json()["engines"]
@@ -314,14 +316,17 @@ def test_an_engine_that_fails_health_checks_leaves_rotation_and_comes_back():
             def wait_health(want: bool) -> None:
                 wait_for(lambda: healthy() == want, f"engine health never became {want}", 10)
 
+            assert not first.down.is_set()
             p1.state.behavior = "down"
             wait_health(False)
+            assert first.down.is_set()  # streams waiting on its pushes move on
             for _ in range(4):
                 assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
             wait_for(lambda: len(p2.state.requests) == 4, "prefill legs missing")
             assert len(p1.state.requests) == 0
             p1.state.behavior = "ok"
             wait_health(True)
+            assert not first.down.is_set()  # a fresh event for its next spell out
             for _ in range(4):
                 assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 200
             wait_for(lambda: len(p1.state.requests) + len(p2.state.requests) == 8, "legs missing")
