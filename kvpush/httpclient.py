@@ -61,13 +61,17 @@ def session(
     )
 
 
-async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The JSON events of an OpenAI-style server-sent-event stream, up to `data: [DONE]`."""
+async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The data of each event of a server-sent-event stream, `[DONE]` included."""
     async for raw in response.content:
         line = raw.strip()
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:]
+        if line.startswith(b"data: "):
+            yield line[6:]
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent-event stream, up to `data: [DONE]`."""
+    async for data in sse_data(response):
         if data == b"[DONE]":
             return
         yield json.loads(data)

@@ -107,12 +107,10 @@ async def one_request(c: aiohttp.ClientSession, url: str, out: Outcome, timeout_
 
 
 async def read_events(r: aiohttp.ClientResponse) -> list[Any]:
-    events: list[Any] = []
-    async for line in r.content:
-        if line.startswith(b"data: "):
-            data = line[6:].strip()
-            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
+    """The stream's events as JSON, and "[DONE]" where it came (check_stream needs it)."""
+    return [
+        "[DONE]" if data == b"[DONE]" else json.loads(data) async for data in httpclient.sse_data(r)
+    ]
 
 
 def check_stream(events: list[Any], out: Outcome) -> str:

@@ -130,7 +130,7 @@ class Dispatcher:
             raise ProxyError(502, f"upstream engine failed: {type(e).__name__}: {e}") from e
 
     async def _push(self, call: Call) -> Answer:
-        healthy = [s for s in self.pool.states if s.healthy]
+        healthy = self.pool.healthy()
         if self.config.connector == "kvpush" and not self.pool.has_healthy("decode") and healthy:
             # no decode engine left: the prefill engines serve requests whole, as plain ones
             engine = paths.plain_engine(healthy, call.tokens, call.hashes)
@@ -268,7 +268,7 @@ class Dispatcher:
     async def _elsewhere(self, call: Call, lost: DecodeLost) -> Answer:
         """The engine answering the request failed before the client got a byte of it: the
         request, whole, on another healthy engine (once), as a plain one."""
-        healthy = [s for s in self.pool.states if s.healthy and s is not lost.engine]
+        healthy = self.pool.healthy(but=lost.engine)
         if not healthy or "whole" in call.trace.reroutes:
             raise lost
         if isinstance(lost.error, LegBroken):
@@ -372,7 +372,7 @@ class Dispatcher:
         progress.resumed()
         if progress.complete(call.body):  # only the end was missing
             return Answer(trace, None, progress.ending(call.body), progress=progress)
-        healthy = [s for s in self.pool.states if s.healthy and s is not failed]
+        healthy = self.pool.healthy(but=failed)
         if not healthy and failed is not None and failed.healthy:
             healthy = [failed]  # it answered with an error but is up: it is all there is
         if not healthy:

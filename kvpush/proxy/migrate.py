@@ -82,7 +82,6 @@ class Progress:
         self.token_ids: list[int] = []  # the answer's, as sent
         self.head: dict[str, Any] = {}  # the stream's id, object, created and model
         self.finish_reason: str | None = None
-        self.stop_reason: Any = None
         self.usage_sent = self.done = False
         self.error = ""  # the message of an engine's error event, held back
         self.resumable = True  # False once an event shows what cannot be continued
@@ -146,7 +145,6 @@ class Progress:
             self.resumable = False
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
-            self.stop_reason = choice.get("stop_reason")
 
     def resumed(self) -> None:
         """The stream goes on from another engine: the failed one's leftovers are dropped."""
@@ -195,11 +193,11 @@ class Progress:
                 choice["text"] = ""
             events.append(head | {"choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage") and not self.usage_sent:
-            events.append(head | {"choices": [], "usage": self._usage(len(self.token_ids))})
+            events.append(head | {"choices": [], "usage": self.usage(len(self.token_ids))})
         data = b"".join(b"data: " + msgspec.json.encode(e) + _EVENT_END for e in events)
         return data + _DONE + _EVENT_END
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> dict[str, int]:
         prompt_tokens = self.num_prompt_tokens
         return {
             "prompt_tokens": prompt_tokens,
@@ -238,7 +236,7 @@ class Rewriter:
         obj["object"] = _OBJECT[progress.chat]
         obj.pop("prompt_token_ids", None)
         if isinstance(usage := obj.get("usage"), dict):
-            obj["usage"] = progress._usage(self.num_sent + usage.get("completion_tokens", 0))
+            obj["usage"] = progress.usage(self.num_sent + usage.get("completion_tokens", 0))
         obj["choices"] = [self._choice(c) for c in obj.get("choices") or ()]
         return b"data: " + msgspec.json.encode(obj)
 

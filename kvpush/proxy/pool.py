@@ -166,6 +166,10 @@ class EnginePool:
         state.healthy, state.error = False, f"{type(error).__name__}: {error}"
         state.down.set()
 
+    def healthy(self, but: EngineState | None = None) -> list[EngineState]:
+        """The healthy engines of either role, less `but`."""
+        return [s for s in self.states if s.healthy and s is not but]
+
     def has_healthy(self, role: str) -> bool:
         return any(s.healthy and s.info.role == role for s in self.states)
 
