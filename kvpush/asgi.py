@@ -10,6 +10,10 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
+# where a kvpush engine says its scheduler's limits (vllm/validate.py), which the proxy's
+# admission reads (proxy/pool.py)
+LIMITS_PATH = "/kvpush/limits"
+
 
 class ClientGone(Exception):
     """The client closed its connection (ASGI's http.disconnect): the request ends quietly."""

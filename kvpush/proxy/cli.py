@@ -57,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "cache, from its /metrics)",
     )
     p.add_argument(
+        "--max-decode-requests",
+        type=int,
+        default=None,
+        help="requests a decode engine may hold in flight; beyond, a request waits "
+        "--admission-wait-s, then 503 (default: the engine's max_num_seqs, which kvpush "
+        "engines say at /kvpush/limits)",
+    )
+    p.add_argument(
         "--admission-wait-s",
         type=float,
         default=None,
@@ -149,6 +157,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         "connector",
         "policy",
         "max_decode_prompt_tokens",
+        "max_decode_requests",
         "admission_wait_s",
         "request_timeout_s",
         "first_token",

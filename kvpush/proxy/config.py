@@ -71,6 +71,10 @@ class ProxyConfig:
     # up to admission_wait_s for room, then gets 503 Retry-After. None: 90 % of the engine's
     # KV cache, as its /metrics says (vllm:cache_config_info), else no bound
     max_decode_prompt_tokens: int | None = None
+    # requests in flight on one decode engine: beyond, a request waits as above. None: the
+    # engine's max_num_seqs (kvpush engines say it at /kvpush/limits), else no bound. More
+    # would wait in vLLM's queue, their pushes' KV held on prefill until decode takes them
+    max_decode_requests: int | None = None
     admission_wait_s: float = 5.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
@@ -103,6 +107,8 @@ class ProxyConfig:
             )
         if self.max_decode_prompt_tokens is not None and self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
+        if self.max_decode_requests is not None and self.max_decode_requests < 1:
+            raise ValueError("max_decode_requests must be >= 1")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.admission_wait_s < 0:
@@ -181,6 +187,7 @@ class EngineState:
     # the prompt blocks it likely holds (kvpush.proxy.prefix); None: it keeps no prefix cache
     prefix: PrefixIndex | None = None
     kv_capacity_tokens: int | None = None  # its KV cache, from its /metrics, once read
+    max_num_seqs: int | None = None  # from its /kvpush/limits, once read; 0: it does not say
     # set when the engine is taken out of rotation (EnginePool.mark_down); a new one when it
     # comes back: a stream waiting on this engine's push watches it (proxy/relay.py)
     down: asyncio.Event = field(default_factory=asyncio.Event)

@@ -11,6 +11,7 @@ from functools import partial
 import aiohttp
 
 from kvpush import httpclient
+from kvpush.asgi import LIMITS_PATH
 from kvpush.proxy import paths
 from kvpush.proxy.config import EngineState, ProxyConfig
 from kvpush.proxy.errors import ProxyError
@@ -95,6 +96,8 @@ class EnginePool:
                     s.served_models = [m["id"] for m in (await r.json())["data"]]
             if s.kv_capacity_tokens is None:
                 s.kv_capacity_tokens = await self._kv_capacity(client, timeout)
+            if s.max_num_seqs is None:
+                s.max_num_seqs = await self._max_num_seqs(client, timeout)
             if not s.healthy:
                 log.info("engine %s is healthy again", s.info.url)
             if s.down.is_set():
@@ -132,6 +135,21 @@ class EnginePool:
                     return int(blocks) * int(size)
         return 0
 
+    @staticmethod
+    async def _max_num_seqs(client: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout) -> int:
+        """The requests the engine runs at once (`GET /kvpush/limits`, kvpush.vllm.validate);
+        0 where it does not say (a plain vLLM engine: no bound derived from it)."""
+        async with client.get(LIMITS_PATH, timeout=timeout) as r:
+            if r.status != 200:
+                return 0
+            return int((await r.json()).get("max_num_seqs", 0))
+
+    def request_room(self, s: EngineState) -> int | None:
+        """The requests a decode engine may hold in flight; None: no bound."""
+        if self.config.max_decode_requests is not None:
+            return self.config.max_decode_requests
+        return s.max_num_seqs or None
+
     def room(self, s: EngineState) -> int | None:
         """The prompt tokens a decode engine may hold for requests in flight; None: no bound."""
         if self.config.max_decode_prompt_tokens is not None:
@@ -139,8 +157,10 @@ class EnginePool:
         return int(ADMIT_SHARE * s.kv_capacity_tokens) if s.kv_capacity_tokens else None
 
     def has_room(self, s: EngineState, prompt_tokens: int) -> bool:
-        room = self.room(s)
-        return room is None or s.outstanding_tokens + prompt_tokens <= room
+        room, requests = self.room(s), self.request_room(s)
+        return (room is None or s.outstanding_tokens + prompt_tokens <= room) and (
+            requests is None or s.outstanding < requests
+        )
 
     async def admit(self, prompt_tokens: int, hashes: tuple[int, ...] = ()) -> EngineState:
         """A decode engine for a request, as `pick`; while every healthy one is full (`room`),
@@ -211,11 +231,15 @@ class EnginePool:
         if role == "decode":
             fits = [s for s in candidates if self.has_room(s, prompt_tokens)]
             if not fits:
-                rooms = ", ".join(f"{s.info.url} {self.room(s):,}" for s in candidates)
+                rooms = ", ".join(
+                    f"{s.info.url} {s.outstanding} of {self.request_room(s) or 'any'} requests, "
+                    f"{s.outstanding_tokens:,} of {self.room(s) or 'any'} prompt tokens"
+                    for s in candidates
+                )
                 raise Full(
                     503,
-                    f"no decode engine has room for {prompt_tokens:,} more prompt tokens "
-                    f"(max_decode_prompt_tokens: {rooms}); retry later",
+                    f"no decode engine has room for one more request of {prompt_tokens:,} "
+                    f"prompt tokens (in flight: {rooms}); retry later",
                     {"Retry-After": "1"},
                 )
             candidates = fits
@@ -269,4 +293,6 @@ class EnginePool:
             "s_per_token": s.rate.s_per_token,
             "kv_capacity_tokens": s.kv_capacity_tokens,
             "room_prompt_tokens": self.room(s) if s.info.role == "decode" else None,
+            "max_num_seqs": s.max_num_seqs,
+            "room_requests": self.request_room(s) if s.info.role == "decode" else None,
         }

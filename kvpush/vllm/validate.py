@@ -3,6 +3,9 @@
 - A bad `kv_transfer_params` gets a 400 naming the field; without it vLLM can only fail such a
   request as a KV load failure (HTTP 500 with fixed text).
 - A seeded request that would kill a CPU engine (see `EngineFacts.seeded_crash`) is refused.
+- `GET /kvpush/limits` says how many requests the engine runs at once (`max_num_seqs`) and
+  its step's token budget, which vLLM's own endpoints do not: the proxy bounds the requests
+  it sends a decode engine by it (kvpush.proxy.pool, admission).
 
 Load it with `--middleware kvpush.vllm.validate.ValidateMiddleware` (`kvpush serve` does, on
 every engine it starts).
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush import logs
-from kvpush.asgi import ClientGone, read_body, replay, respond
+from kvpush.asgi import LIMITS_PATH, ClientGone, read_body, replay, respond
 from kvpush.vllm.params import ParamsError, parse
 
 if TYPE_CHECKING:  # vLLM's types, for the checker only
@@ -40,6 +43,8 @@ class EngineFacts:
 
     seeded_crash: bool = False
     default_temperature: float = 1.0  # what vLLM samples at when the request names none
+    max_num_seqs: int = 0  # requests the scheduler runs at once; more wait in its queue
+    max_num_batched_tokens: int = 0  # a step's token budget
 
     @classmethod
     def of(cls, config: VllmConfig) -> EngineFacts:
@@ -49,7 +54,18 @@ class EngineFacts:
         chunked = bool(config.scheduler_config.enable_chunked_prefill)
         crash = on_cpu and chunked and not _cpu_generator_has_offset(torch)
         default = config.model_config.get_diff_sampling_param().get("temperature", 1.0)
-        return cls(seeded_crash=crash, default_temperature=float(default))
+        return cls(
+            seeded_crash=crash,
+            default_temperature=float(default),
+            max_num_seqs=int(config.scheduler_config.max_num_seqs),
+            max_num_batched_tokens=int(config.scheduler_config.max_num_batched_tokens),
+        )
+
+    def limits(self) -> dict[str, int]:
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
 
 
 def _cpu_generator_has_offset(torch: Any) -> bool:
@@ -109,6 +125,13 @@ class ValidateMiddleware:
         return self._engine
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == LIMITS_PATH and scope["method"] == "GET":
+            facts = self._facts(scope)
+            if facts is None:
+                await respond(send, 503, b'{"error": "the engine is not up yet"}')
+            else:
+                await respond(send, 200, json.dumps(facts.limits()).encode())
+            return
         if scope["type"] != "http" or scope["path"] not in _CHECKED_PATHS:
             await self.app(scope, receive, send)
             return

