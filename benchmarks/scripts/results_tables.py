@@ -214,9 +214,9 @@ def chaos_table(*folders: str) -> str:
     the engines held once idle (KV blocks in use, kvpush's gauges: the sum over engines)."""
     import os
 
-    head = ["stack", "load", "kills", "sent", "200, whole", "503", "failed", "migrated",
-            "re-sent", "lease failures, both sides", "equal to plain", "held at the end",
-            "preemptions"]  # fmt: skip
+    head = ["stack", "load", "timeout s", "kills", "sent", "200, whole", "503", "failed",
+            "s to end, p50 / p99", "migrated", "re-sent", "lease failures, both sides",
+            "equal to plain", "held at the end", "preemptions"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for folder in folders:
         with open(os.path.join(folder, "chaos.json")) as f:
@@ -232,11 +232,13 @@ def chaos_table(*folders: str) -> str:
         cells = [
             f"{cfg['num_prefill']}P{cfg['num_decode']}D",
             f"{cfg['duration_s']:g} s at {cfg['qps']:g} QPS",
+            f"{cfg['request_timeout_s']:g}",
             str(len(data["kills"])),
             str(data["requests_sent"]),
             str(data["completed_ok"]),
             str(data["refused_503"]),
             str(data["failed"]),
+            " / ".join(f"{s:.0f}" for s in data.get("seconds_to_end_p50_p99", ())) or "-",
             f"{data['migrated']:g}",
             f"{sum(data['rerouted'].values()):g}",
             f"{data['leases_expired']:g}",
