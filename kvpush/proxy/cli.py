@@ -65,6 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "engines say at /kvpush/limits)",
     )
     p.add_argument(
+        "--max-prefill-requests",
+        type=int,
+        default=None,
+        help="requests a prefill engine may hold in flight; with every prefill engine at it, "
+        "a pushed prompt is computed on its decode engine (default: the engine's "
+        "max_num_seqs)",
+    )
+    p.add_argument(
         "--admission-wait-s",
         type=float,
         default=None,
@@ -158,6 +166,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         "policy",
         "max_decode_prompt_tokens",
         "max_decode_requests",
+        "max_prefill_requests",
         "admission_wait_s",
         "request_timeout_s",
         "first_token",

@@ -75,6 +75,10 @@ class ProxyConfig:
     # engine's max_num_seqs (kvpush engines say it at /kvpush/limits), else no bound. More
     # would wait in vLLM's queue, their pushes' KV held on prefill until decode takes them
     max_decode_requests: int | None = None
+    # requests in flight on one prefill engine (its prefill legs, and requests it serves
+    # whole). None: its max_num_seqs, as above. With every prefill engine at its bound, a
+    # pushed request's prompt is computed on its decode engine instead
+    max_prefill_requests: int | None = None
     admission_wait_s: float = 5.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
@@ -107,8 +111,9 @@ class ProxyConfig:
             )
         if self.max_decode_prompt_tokens is not None and self.max_decode_prompt_tokens < 1:
             raise ValueError("max_decode_prompt_tokens must be >= 1")
-        if self.max_decode_requests is not None and self.max_decode_requests < 1:
-            raise ValueError("max_decode_requests must be >= 1")
+        for name in ("max_decode_requests", "max_prefill_requests"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.admission_wait_s < 0:

@@ -139,11 +139,13 @@ class Dispatcher:
         decode = await self.pool.admit(call.tokens, call.hashes)
         tried: list[EngineState] = []
         while len(tried) < MAX_PREFILL_TRIES:
+            # none healthy, or every one at its bound (`EnginePool.has_room`): decode computes
             prefill = self.pool.pick_healthy("prefill", call.tokens, tried, call.hashes)
             if prefill is None:
                 break
             if not tried:  # a re-send does not choose again
-                choice = self._choose(call, healthy)
+                roomy = [s for s in healthy if self.pool.has_room(s, 0)]
+                choice = self._choose(call, roomy)
                 if choice.engine is not None:
                     return await self._whole(choice.engine, call)
             try:
@@ -285,7 +287,7 @@ class Dispatcher:
         return await self._whole(paths.plain_engine(healthy, call.tokens, call.hashes), call)
 
     async def _local(self, decode: EngineState, call: Call) -> Answer:
-        """No prefill engine is left: decode computes the prompt itself."""
+        """No prefill engine is left, or none has room: decode computes the prompt itself."""
         call.trace.reroutes.append("decode")
         self.metrics.rerouted.labels("decode").inc()
         return await self._whole(decode, call)

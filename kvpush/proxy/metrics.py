@@ -34,7 +34,8 @@ class ProxyMetrics:
             "kvpush_proxy_rerouted",
             "requests re-sent after an engine failed before the client got a byte: after "
             "their prefill engine failed, to another prefill engine or to decode as a plain "
-            "request; after the engine answering them failed, whole to another engine",
+            "request; after the engine answering them failed, whole to another engine; "
+            "with no prefill engine with room (admission), to decode",
             ["to"],
             registry=r,
         )

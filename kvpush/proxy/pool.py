@@ -24,7 +24,7 @@ ADMIT_SHARE = 0.9  # of a decode engine's KV cache that requests in flight may h
 
 
 class Full(ProxyError):
-    """Every healthy decode engine is at its bound (`EnginePool.room`)."""
+    """Every healthy engine of a role is at its bound (`EnginePool.has_room`)."""
 
 
 class EnginePool:
@@ -145,13 +145,20 @@ class EnginePool:
             return int((await r.json()).get("max_num_seqs", 0))
 
     def request_room(self, s: EngineState) -> int | None:
-        """The requests a decode engine may hold in flight; None: no bound."""
-        if self.config.max_decode_requests is not None:
-            return self.config.max_decode_requests
-        return s.max_num_seqs or None
+        """The requests an engine may hold in flight (prefill legs and whole requests on a
+        prefill engine); None: no bound."""
+        configured = (
+            self.config.max_decode_requests
+            if s.info.role == "decode"
+            else self.config.max_prefill_requests
+        )
+        return configured if configured is not None else s.max_num_seqs or None
 
     def room(self, s: EngineState) -> int | None:
-        """The prompt tokens a decode engine may hold for requests in flight; None: no bound."""
+        """The prompt tokens a decode engine may hold for requests in flight; None: no bound
+        (and none on a prefill engine, whose KV a request holds only until it is pushed)."""
+        if s.info.role != "decode":
+            return None
         if self.config.max_decode_prompt_tokens is not None:
             return self.config.max_decode_prompt_tokens
         return int(ADMIT_SHARE * s.kv_capacity_tokens) if s.kv_capacity_tokens else None
@@ -228,21 +235,20 @@ class EnginePool:
         ]
         if not candidates:
             raise ProxyError(503, f"no healthy {role} engine", {"Retry-After": "1"})
-        if role == "decode":
-            fits = [s for s in candidates if self.has_room(s, prompt_tokens)]
-            if not fits:
-                rooms = ", ".join(
-                    f"{s.info.url} {s.outstanding} of {self.request_room(s) or 'any'} requests, "
-                    f"{s.outstanding_tokens:,} of {self.room(s) or 'any'} prompt tokens"
-                    for s in candidates
-                )
-                raise Full(
-                    503,
-                    f"no decode engine has room for one more request of {prompt_tokens:,} "
-                    f"prompt tokens (in flight: {rooms}); retry later",
-                    {"Retry-After": "1"},
-                )
-            candidates = fits
+        fits = [s for s in candidates if self.has_room(s, prompt_tokens)]
+        if not fits:
+            rooms = ", ".join(
+                f"{s.info.url} {s.outstanding} of {self.request_room(s) or 'any'} requests, "
+                f"{s.outstanding_tokens:,} of {self.room(s) or 'any'} prompt tokens"
+                for s in candidates
+            )
+            raise Full(
+                503,
+                f"no {role} engine has room for one more request of {prompt_tokens:,} "
+                f"prompt tokens (in flight: {rooms}); retry later",
+                {"Retry-After": "1"},
+            )
+        candidates = fits
         if self.config.policy == "least-outstanding":
             return min(candidates, key=lambda s: (s.outstanding, s.outstanding_tokens))
         turn = next(self._turn[role]) % len(candidates)
@@ -292,7 +298,7 @@ class EnginePool:
             # seconds per queued prompt token to the first token (kvpush.proxy.paths)
             "s_per_token": s.rate.s_per_token,
             "kv_capacity_tokens": s.kv_capacity_tokens,
-            "room_prompt_tokens": self.room(s) if s.info.role == "decode" else None,
+            "room_prompt_tokens": self.room(s),
             "max_num_seqs": s.max_num_seqs,
-            "room_requests": self.request_room(s) if s.info.role == "decode" else None,
+            "room_requests": self.request_room(s),
         }

@@ -106,3 +106,37 @@ def test_the_request_bound_is_the_engines_max_num_seqs_unless_configured():
     _, configured, _, _ = make(num_prefill=1, connector="kvpush", max_decode_requests=3)
     configured.states[-1].max_num_seqs = 128
     assert configured.request_room(configured.states[-1]) == 3
+
+
+def test_with_every_prefill_engine_at_its_bound_decode_computes_the_prompt():
+    """A prefill engine takes at most its max_num_seqs requests too: past it, the prompt is
+    computed on the decode engine the request was admitted to, not queued behind prefill."""
+
+    async def go():
+        dispatcher, pool, legs, first = await one_in_flight(5, None)
+        prefill, decode = pool.states
+        prefill.max_num_seqs = 1  # the first request's prefill leg holds it
+        second = asyncio.ensure_future(dispatcher.dispatch(PROMPT, False, {}, Trace(None)))
+        await until(lambda: len(legs.decode_calls) == 2)
+        assert len(legs.prefill_calls) == 1  # no second prefill leg
+        params = legs.decode_calls[1][1].get("kv_transfer_params")
+        assert not params  # the whole request, on decode
+        rerouted = dispatcher.metrics.registry.get_sample_value(
+            "kvpush_proxy_rerouted_total", {"to": "decode"}
+        )
+        assert rerouted == 1
+        legs.decodes[1].answer(b"data: 1\n\n", b"data: [DONE]\n\n")
+        await relay(await second, lambda: asyncio.sleep(0), lambda b: asyncio.sleep(0))
+        await finish(legs, 0, first)
+        assert idle(pool)
+
+    asyncio.run(go())
+
+
+def test_a_prefill_engine_has_no_token_bound_and_its_request_bound_is_its_own():
+    _, pool, _, _ = make(num_prefill=1, connector="kvpush", max_decode_requests=3)
+    prefill = pool.states[0]
+    prefill.kv_capacity_tokens, prefill.max_num_seqs = 1000, 64
+    assert pool.room(prefill) is None and pool.request_room(prefill) == 64
+    _, configured, _, _ = make(num_prefill=1, connector="kvpush", max_prefill_requests=2)
+    assert configured.request_room(configured.states[0]) == 2
