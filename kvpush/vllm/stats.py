@@ -140,9 +140,10 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
         counter_cls: Any = self._counter_cls
         histogram_cls: Any = self._histogram_cls
 
-        def per_engine(cls: Any, name: str, doc: str, labels: list[str] = labelnames) -> dict:
+        def per_engine(cls: Any, name: str, doc: str, **kwargs: Any) -> dict:
             return create_metric_per_engine(
-                cls(name=name, documentation=doc, labelnames=labels), per_engine_labelvalues
+                cls(name=name, documentation=doc, labelnames=labelnames, **kwargs),
+                per_engine_labelvalues,
             )
 
         self.gauges = {
@@ -190,6 +191,9 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
             histogram_cls,
             "kvpush:transfer_seconds",
             "hand-over (prefill) or registration (decode) to completion",
+            # given, not prometheus_client's default: Ray's metrics (an engine under Ray
+            # Serve) refuse a histogram without boundaries
+            buckets=PHASE_BUCKETS_S,
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
