@@ -139,9 +139,10 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _ray_up(args: argparse.Namespace) -> int:
-    from kvpush.ray import RayUnavailable
+    from kvpush.ray import RayUnavailable, check_ray
 
     try:
+        check_ray()  # before building anything
         from kvpush.ray.app import RayStack, up
 
         model = args.model

@@ -33,6 +33,18 @@ def ray_metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def replicas_with(name: str, url: str) -> set[str]:
+    """The Ray Serve replicas (ReplicaId) with a positive sample of a metric."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.labels.get("ReplicaId", "")
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and s.value > 0
+    }
+
+
 def pushed_tokens(url: str) -> float:
     """Prompt tokens decode took from a KV transfer, as vLLM counts them."""
     return ray_metric(url, "ray_vllm_prompt_tokens_by_source_total", source="external_kv_transfer")
@@ -67,7 +79,8 @@ async def ask_both(url: str, mono_url: str, prompts, stream_every: int = 2, chat
 
 def test_greedy_answers_equal_one_plain_engines_and_the_kv_is_pushed(app, mono_url):
     before = pushed_tokens(app.metrics_url)
-    prompts = [tokens(n, 4500 + n) for n in (40, 90, 200, 333, 512, 700, 64, 1000)]
+    lengths = (40, 90, 200, 333, 512, 700, 64, 1000, 150, 260, 380, 450)
+    prompts = [tokens(n, 4500 + n) for n in lengths]
     answers = asyncio.run(ask_both(app.url, mono_url, prompts, chat_every=3))
     for got, want in answers:
         assert text_of(got) == text_of(want)
@@ -77,6 +90,15 @@ def test_greedy_answers_equal_one_plain_engines_and_the_kv_is_pushed(app, mono_u
         lambda: pushed_tokens(app.metrics_url) - before >= 1000 - 32,
         60,
         "decode's prompt tokens counted as external KV (vllm:prompt_tokens_by_source)",
+    )
+    # every replica took part: each engine counts its transfers, prefill's and decode's
+    wait_for(
+        lambda: (
+            len(replicas_with("ray_kvpush_transfers_total", app.metrics_url))
+            == app.num_prefill + app.num_decode
+        ),
+        60,
+        "transfers on every prefill and decode replica",
     )
 
 
