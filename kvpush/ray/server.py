@@ -7,8 +7,13 @@ kvpush.ray.backend). When the prefill replica dies mid-request, Ray raises the r
 death through the decode stream and the client gets 500, though the decode engine could
 compute the prompt itself. `KVPushDecodeServer` keeps Ray's orchestration and catches that:
 a request whose orchestrated answer fails before its first chunk is served whole on this
-decode engine, as a plain request (kvpush's proxy does the same, `Dispatcher._local`). Once
-a chunk went out, the failure is the client's, as before.
+decode engine, as a plain request (kvpush's proxy does the same, `Dispatcher._local`).
+
+Once a chunk went out the request is lost, and the client is told: an error event ends the
+stream. Ray's orchestrator raises the prefill replica's death even after decode has begun
+streaming (the prefill leg's answer can still be on its way back through Ray when decode's
+first chunk goes out), and Ray's ingress then ends the stream with neither an error event
+nor `[DONE]`: a client would take the truncated answer for a whole one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from ray.serve.llm.deployment import LLMServer, PDDecodeServer
+from ray.serve.llm.openai_api_models import ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +48,26 @@ class KVPushDecodeServer(PDDecodeServer):
             return
         except Exception as e:
             if sent:
-                raise
+                log.error(
+                    "request %s: failed mid-stream: %s: %s",
+                    request_id(request),
+                    type(e).__name__,
+                    e,
+                )
+                yield ErrorResponse.model_validate(
+                    {
+                        "error": {
+                            "message": f"the answer failed mid-stream: {type(e).__name__}: {e}",
+                            "type": "InternalServerError",
+                            "code": 500,
+                        }
+                    }
+                )
+                return
             log.warning(
                 "request %s: prefill and decode failed before a byte (%s: %s); serving it "
                 "whole on this decode engine",
-                getattr(request, "request_id", "?"),
+                request_id(request),
                 type(e).__name__,
                 e,
             )
@@ -54,3 +75,7 @@ class KVPushDecodeServer(PDDecodeServer):
         whole = await getattr(LLMServer, method)(self, request, raw_request_info)
         async for chunk in whole:
             yield chunk
+
+
+def request_id(request: Any) -> str:
+    return str(getattr(request, "request_id", "?"))
