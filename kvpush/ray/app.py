@@ -3,14 +3,13 @@
 `build_app(RayStack(...))` returns Ray Serve LLM's P/D graph: N prefill and M decode
 replicas of a model, each engine with kvpush's connector, whose backend (kvpush.ray.backend)
 Ray's orchestrator calls to shape each request's two legs, and kvpush's decode deployment
-(kvpush.ray.server). Replicas are Ray's:
-it places them, restarts a dead one, and scales each role between its bounds.
+(kvpush.ray.server). Replicas are Ray's: it places them, restarts a dead one, and scales
+each role between its bounds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import time
@@ -22,11 +21,11 @@ from kvpush.launch.engine import (
     DEFAULT_KV_CACHE_GIB,
     KV_ROLE,
     VLLM_CONNECTOR,
+    engine_env,
 )
 from kvpush.ray import check_ray
 
 APP_NAME = "kvpush"
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,14 +121,7 @@ def llm_config(stack: RayStack, role: str) -> dict[str, Any]:
         config["experimental_configs"]["KVPUSH_CPU_BIND"] = cpu_binds(
             role, most, os.cpu_count() or 1
         )
-        config["runtime_env"] = {
-            "env_vars": {
-                "VLLM_CPU_KVCACHE_SPACE": str(stack.kv_cache_gib),
-                "VLLM_USE_AOT_COMPILE": "0",  # see kvpush.launch.engine
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-            }
-        }
+        config["runtime_env"] = {"env_vars": engine_env(True, stack.kv_cache_gib)}
     return config
 
 
@@ -208,12 +200,9 @@ def up(stack: RayStack, host: str = "127.0.0.1", port: int = 8000) -> int:
     finally:
         print("kvpush ray up: stopping", flush=True)
         started = psutil.Process().children(recursive=True)  # Ray's, and the engines'
-        log.info("stopping %d processes", len(started))
         serve.shutdown()
-        log.info("serve down")
         ray.shutdown()
         _, alive = psutil.wait_procs(started, timeout=10)
-        log.info("ray down; %d processes left", len(alive))
         for p in alive:  # an engine core whose replica's actor did not take it down
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
